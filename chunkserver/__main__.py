@@ -1,0 +1,6 @@
+"""python -m kvfs.chunkserver"""
+import sys
+
+from .main import main
+
+sys.exit(main())

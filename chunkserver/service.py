@@ -1,0 +1,100 @@
+"""The gRPC face of the chunk store: one servicer, the logic lives in ChunkStore."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from kvfs.errors import InvalidArgument, KvfsError
+from kvfs.proto import chunk_pb2, chunk_pb2_grpc
+
+from .store import ChunkStore, short_id
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PAGE = 1000
+MAX_PAGE = 10000
+
+
+def _rpc(method):
+    """Turns KvfsError into its status (with a log line); the server serves on."""
+
+    @functools.wraps(method)
+    async def wrapper(self: ChunkServicer, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except KvfsError as err:
+            if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                self.store.counters.rejected_requests += 1
+            level = logging.ERROR if err.code == grpc.StatusCode.INTERNAL else logging.WARNING
+            log.log(level, "%s from %s: %s %s", method.__name__, context.peer(), err.code.name, err.message)
+            await context.abort(err.code, err.message)
+
+    return wrapper
+
+
+class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
+    def __init__(self, store: ChunkStore):
+        self.store = store
+
+    @_rpc
+    async def WriteChunk(self, request_iterator, context):
+        header = None
+        data = bytearray()
+        max_len = self.store.cfg.max_chunk_size
+        async for msg in request_iterator:
+            if header is None:
+                if not msg.HasField("header"):
+                    raise InvalidArgument("the first WriteChunk message must carry the header")
+                header = msg.header
+                if not 0 < header.length <= max_len:
+                    raise InvalidArgument(f"chunk length must be 1..{max_len} bytes, got {header.length}")
+            elif msg.HasField("header"):
+                raise InvalidArgument("only the first WriteChunk message may carry a header")
+            if len(data) + len(msg.data) > header.length:
+                raise InvalidArgument(f"chunk {short_id(header.chunk_id)}: more data than the "
+                                      f"{header.length} bytes its header announced")
+            data += msg.data
+        if header is None:
+            raise InvalidArgument("empty WriteChunk stream: no header")
+        if len(data) != header.length:
+            raise InvalidArgument(f"chunk {short_id(header.chunk_id)}: got {len(data)} bytes, "
+                                  f"header announced {header.length}")
+        created = await self.store.write(header.chunk_id, data, header.checksum, header.owner)
+        return chunk_pb2.WriteChunkReply(created=created)
+
+    @_rpc
+    async def ReadChunks(self, request, context):
+        results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges])
+        return chunk_pb2.ReadChunksReply(results=[
+            chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
+                                  chunk_length=r.length, chunk_checksum=r.checksum)
+            for r in results
+        ])
+
+    @_rpc
+    async def DeleteChunks(self, request, context):
+        deleted, not_found = await self.store.delete(list(request.chunk_ids))
+        return chunk_pb2.DeleteChunksReply(deleted=deleted, not_found=not_found)
+
+    @_rpc
+    async def ListChunks(self, request, context):
+        if request.limit > MAX_PAGE:
+            raise InvalidArgument(f"page limit {request.limit} is over {MAX_PAGE}")
+        page, after = self.store.list(request.start_after, request.limit or DEFAULT_PAGE)
+        return chunk_pb2.ListChunksReply(
+            chunks=[chunk_pb2.ChunkInfo(chunk_id=cid, length=r.length, checksum=r.checksum,
+                                        created=r.created, owner=r.owner) for cid, r in page],
+            next_start_after=after)
+
+    @_rpc
+    async def Stat(self, request, context):
+        c = self.store.counters
+        return chunk_pb2.StatReply(
+            server_id=self.store.cfg.id, failure_domain=self.store.cfg.failure_domain,
+            counters=chunk_pb2.IoCounters(
+                reads=c.reads, read_bytes=c.read_bytes, writes=c.writes, write_bytes=c.write_bytes,
+                deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests),
+            **self.store.stat())

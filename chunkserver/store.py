@@ -1,0 +1,431 @@
+"""The chunk store: slot files for bytes, a RocksDB index for where they are.
+
+Write path (crash-safe): checksum on arrival -> take a free slot -> pwrite ->
+group commit (one fdatasync per dirty slot file and one synced RocksDB batch for
+every write that arrived meanwhile) -> acknowledge. A chunk becomes visible only
+through its index entry, which is written after its bytes are durable, so a
+crash at any instant leaves every acknowledged chunk intact and no torn one
+visible; a slot written but not yet indexed is free again after restart.
+
+Read path: index lookups, then all ranges of a request go to the disk together
+(io_uring), each verified against per-64 KiB xxh3 checksums before any byte of
+it leaves the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import os
+import pathlib
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import xxhash
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+from kvfs.buffers import aligned_bytearray
+from kvfs.config import ChunkserverConfig, MiB
+from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
+
+from .slots import SlotFiles, SlotRef, probe_direct
+from .uring import open_reader
+
+log = logging.getLogger(__name__)
+
+BLOCK = 64 * 1024  # checksum granularity: a ranged read verifies only the blocks it touches
+MAX_ID = 64
+_KEY_PREFIX = b"c"
+_HEAD = struct.Struct("<BBIIIQdI")  # version, log2(class), file, slot, length, xxh3, created, blocks
+_VERSION = 1
+
+
+def checksum(data) -> int:
+    """The chunk checksum kvfs uses everywhere: xxh3-64 of the bytes."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def block_checksums(data) -> list[int]:
+    view = memoryview(data)
+    return [checksum(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK)]
+
+
+def short_id(chunk_id: bytes) -> str:
+    return "0x" + chunk_id.hex()[:16] + ("…" if len(chunk_id) > 8 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    slot: SlotRef
+    length: int
+    checksum: int
+    blocks: tuple[int, ...]
+    created: float
+    owner: bytes
+
+    def pack(self) -> bytes:
+        head = _HEAD.pack(_VERSION, self.slot.cls.bit_length() - 1, self.slot.file, self.slot.slot,
+                          self.length, self.checksum, self.created, len(self.blocks))
+        return head + struct.pack(f"<{len(self.blocks)}Q", *self.blocks) + self.owner
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ChunkRecord:
+        version, log2, file, slot, length, xxh, created, n = _HEAD.unpack_from(raw)
+        if version != _VERSION:
+            raise ValueError(f"index record version {version} is not {_VERSION}")
+        blocks = struct.unpack_from(f"<{n}Q", raw, _HEAD.size)
+        owner = raw[_HEAD.size + 8 * n :]
+        return cls(SlotRef(1 << log2, file, slot), length, xxh, blocks, created, owner)
+
+
+@dataclass(slots=True)
+class ReadResult:
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+    data: bytes = b""
+    length: int = 0
+    checksum: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    reads: int = 0
+    read_bytes: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    deletes: int = 0
+    checksum_errors: int = 0
+    rejected_requests: int = 0
+
+
+@dataclass(slots=True)
+class _Commit:
+    puts: list[tuple[bytes, bytes]]
+    deletes: list[bytes]
+    fds: set[int]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _GroupCommitter:
+    """One thread that makes many writers' data and index entries durable together."""
+
+    def __init__(self, db: Rdict):
+        self._db = db
+        self._sync = WriteOptions()
+        self._sync.sync = True
+        self._queue: queue.SimpleQueue[_Commit | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="group-commit", daemon=True)
+        self._thread.start()
+
+    def submit(self, puts=(), deletes=(), fds=()) -> concurrent.futures.Future:
+        item = _Commit(list(puts), list(deletes), set(fds))
+        self._queue.put(item)
+        return item.future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            try:
+                for fd in set().union(*(c.fds for c in batch)):
+                    os.fdatasync(fd)
+                wb = WriteBatch(raw_mode=True)
+                for c in batch:
+                    for k, v in c.puts:
+                        wb.put(k, v)
+                    for k in c.deletes:
+                        wb.delete(k)
+                self._db.write(wb, self._sync)
+            except BaseException as exc:  # every waiter learns of the failure
+                for c in batch:
+                    c.future.set_exception(exc)
+            else:
+                for c in batch:
+                    c.future.set_result(None)
+
+
+class _BufferPool:
+    """Reused aligned read buffers, by size (loop thread only)."""
+
+    def __init__(self, max_bytes: int):
+        self._free: dict[int, list[bytearray]] = collections.defaultdict(list)
+        self._bytes = 0
+        self._max = max_bytes
+
+    def get(self, n: int) -> bytearray:
+        free = self._free.get(n)
+        if free:
+            self._bytes -= n
+            return free.pop()
+        return aligned_bytearray(n)
+
+    def put(self, buf: bytearray) -> None:
+        if self._bytes + len(buf) <= self._max:
+            self._free[len(buf)].append(buf)
+            self._bytes += len(buf)
+
+
+class ChunkStore:
+    """Chunks in slot files, indexed in RocksDB. Use from one asyncio loop."""
+
+    def __init__(self, cfg: ChunkserverConfig):
+        self.cfg = cfg
+        root = pathlib.Path(cfg.data_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        slots_dir = root / "slots"
+        if cfg.io_mode == "auto":
+            self.io_mode = "direct" if probe_direct(slots_dir) else "buffered"
+        else:
+            self.io_mode = cfg.io_mode
+        if cfg.io_mode == "auto" and self.io_mode == "buffered":
+            log.warning("filesystem under %s refuses O_DIRECT; reading buffered", slots_dir)
+        self.slots = SlotFiles(slots_dir, self.io_mode == "direct", cfg.reserve, cfg.capacity)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        self._db = Rdict(str(root / "index"), opts)
+        self.counters = Counters()
+        self.chunk_count = 0
+        self.used_bytes = 0
+        self._recover()
+        self.reader = open_reader(cfg.io_engine, cfg.uring_entries)
+        self._committer = _GroupCommitter(self._db)
+        self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io")
+        self._pool = _BufferPool(256 * MiB)
+        self._writing: dict[bytes, asyncio.Future] = {}
+        self._pins: collections.Counter[SlotRef] = collections.Counter()
+        self._free_after_read: set[SlotRef] = set()
+        self._delete_lock = asyncio.Lock()
+
+    def _recover(self) -> None:
+        started = time.monotonic()
+        for key, raw in self._db.items():
+            if not key.startswith(_KEY_PREFIX):
+                continue
+            rec = ChunkRecord.unpack(raw)
+            self.slots.allocator.mark_used(rec.slot)
+            self.chunk_count += 1
+            self.used_bytes += rec.length
+        self.slots.allocator.finish_startup()
+        log.info("index recovered: %d chunks, %d bytes, in %.3fs (io_mode=%s)",
+                 self.chunk_count, self.used_bytes, time.monotonic() - started, self.io_mode)
+
+    def close(self) -> None:
+        self._committer.close()
+        self.reader.close()
+        self._io.shutdown(wait=True)
+        self._db.close()
+        self.slots.close()
+
+    # -- lookups -----------------------------------------------------------
+
+    def _check_id(self, chunk_id: bytes) -> None:
+        if not 0 < len(chunk_id) <= MAX_ID:
+            raise InvalidArgument(f"chunk id must be 1..{MAX_ID} bytes, got {len(chunk_id)}")
+
+    def get(self, chunk_id: bytes) -> ChunkRecord | None:
+        raw = self._db.get(_KEY_PREFIX + chunk_id)
+        return None if raw is None else ChunkRecord.unpack(raw)
+
+    # -- writes ------------------------------------------------------------
+
+    async def write(self, chunk_id: bytes, data: bytes | bytearray, expected: int, owner: bytes = b"") -> bool:
+        """Stores a chunk durably; False if an identical one was already there."""
+        self._check_id(chunk_id)
+        if not 0 < len(data) <= self.cfg.max_chunk_size:
+            raise InvalidArgument(f"chunk length must be 1..{self.cfg.max_chunk_size} bytes, got {len(data)}")
+        loop = asyncio.get_running_loop()
+        actual, blocks = await loop.run_in_executor(self._io, lambda: (checksum(data), block_checksums(data)))
+        if actual != expected:
+            raise DataLoss(f"chunk {short_id(chunk_id)}: checksum mismatch on arrival "
+                           f"(sent {expected:#018x}, received bytes hash to {actual:#018x}); nothing stored")
+        while chunk_id in self._writing:  # a concurrent writer of the same id goes first
+            await asyncio.shield(self._writing[chunk_id])
+        existing = self.get(chunk_id)
+        if existing is not None:
+            if existing.checksum == actual and existing.length == len(data):
+                return False
+            raise AlreadyExists(f"chunk {short_id(chunk_id)} exists with other bytes "
+                                f"({existing.length} bytes, xxh3 {existing.checksum:#018x}); chunks are write-once")
+        done = loop.create_future()
+        self._writing[chunk_id] = done
+        ref = None
+        try:
+            ref = await loop.run_in_executor(self._io, self._place, data)
+            rec = ChunkRecord(ref, len(data), actual, tuple(blocks), time.time(), bytes(owner))
+            await asyncio.wrap_future(self._committer.submit(
+                puts=[(_KEY_PREFIX + chunk_id, rec.pack())], fds=[self.slots.fds(ref).fd_write]))
+        except BaseException:
+            if ref is not None:
+                self.slots.free(ref)
+            raise
+        finally:
+            del self._writing[chunk_id]
+            done.set_result(None)
+        self.chunk_count += 1
+        self.used_bytes += len(data)
+        self.counters.writes += 1
+        self.counters.write_bytes += len(data)
+        return True
+
+    def _place(self, data) -> SlotRef:
+        ref = self.slots.allocate(len(data))
+        try:
+            fd, view, pos = self.slots.fds(ref).fd_write, memoryview(data), 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos:], ref.offset + pos)
+        except OSError as err:
+            self.slots.free(ref)
+            if err.errno == 28:  # ENOSPC despite preallocation (thin-provisioned disk)
+                raise ResourceExhausted(f"disk full writing slot {ref}") from err
+            raise Internal(f"write to slot {ref} failed: {err}") from err
+        return ref
+
+    # -- reads -------------------------------------------------------------
+
+    async def read(self, ranges: list[tuple[bytes, int, int]]) -> list[ReadResult]:
+        """Reads (chunk id, offset, length) ranges; length 0 means to the end.
+
+        Each range gets its own result: NOT_FOUND, OUT_OF_RANGE and DATA_LOSS
+        (checksum mismatch, logged and never served) are per range.
+        """
+        if len(ranges) > self.cfg.max_ranges:
+            raise InvalidArgument(f"{len(ranges)} ranges in one read; at most {self.cfg.max_ranges}")
+        results = [ReadResult() for _ in ranges]
+        plan: list[tuple[int, ChunkRecord, int, int, int]] = []
+        total = 0
+        for i, (chunk_id, offset, length) in enumerate(ranges):
+            self._check_id(chunk_id)
+            rec = self.get(chunk_id)
+            if rec is None:
+                results[i] = ReadResult(grpc.StatusCode.NOT_FOUND,
+                                        f"chunk {short_id(chunk_id)} not found on {self.cfg.id}")
+                continue
+            length = length or rec.length - offset
+            if offset >= rec.length or length <= 0 or offset + length > rec.length:
+                results[i] = ReadResult(grpc.StatusCode.OUT_OF_RANGE,
+                                        f"range [{offset}, {offset + length}) is outside chunk "
+                                        f"{short_id(chunk_id)} of {rec.length} bytes")
+                continue
+            total += length
+            plan.append((i, rec, offset, length, offset // BLOCK))
+        if total > self.cfg.max_read_bytes:
+            raise InvalidArgument(f"read of {total} bytes in one call; at most {self.cfg.max_read_bytes}")
+        ops = []
+        for i, rec, offset, length, b0 in plan:
+            b1 = -(-(offset + length) // BLOCK)
+            self._pins[rec.slot] += 1
+            ops.append((self.slots.fds(rec.slot).fd_read, rec.slot.offset + b0 * BLOCK,
+                        self._pool.get((b1 - b0) * BLOCK)))
+        try:
+            done = await asyncio.wrap_future(self.reader.read_batch(ops))
+            for (i, rec, offset, length, b0), (_, _, buf), got in zip(plan, ops, done):
+                results[i] = self._verify(ranges[i][0], rec, offset, length, b0, buf, got)
+        finally:
+            for (_, rec, *_), (_, _, buf) in zip(plan, ops):
+                self._pool.put(buf)
+                self._unpin(rec.slot)
+        return results
+
+    def _verify(self, chunk_id, rec: ChunkRecord, offset, length, b0, buf, got) -> ReadResult:
+        start = b0 * BLOCK
+        need = min(-(-(offset + length) // BLOCK) * BLOCK, rec.length) - start
+        if got < need:
+            reason = os.strerror(-got) if got < 0 else f"short read ({got} of {need} bytes)"
+            log.error("chunk %s on %s: disk read failed: %s", short_id(chunk_id), self.cfg.id, reason)
+            return ReadResult(grpc.StatusCode.DATA_LOSS if got >= 0 else grpc.StatusCode.INTERNAL,
+                              f"chunk {short_id(chunk_id)} on {self.cfg.id}: {reason}")
+        view = memoryview(buf)
+        for j in range(need // BLOCK + (need % BLOCK > 0)):
+            lo = j * BLOCK
+            if checksum(view[lo : min(lo + BLOCK, need)]) != rec.blocks[b0 + j]:
+                self.counters.checksum_errors += 1
+                log.error("chunk %s on %s: checksum mismatch in block %d (slot %s); not served",
+                          short_id(chunk_id), self.cfg.id, b0 + j, rec.slot)
+                return ReadResult(grpc.StatusCode.DATA_LOSS,
+                                  f"chunk {short_id(chunk_id)} checksum mismatch on {self.cfg.id} "
+                                  f"(block {b0 + j}); read another replica")
+        self.counters.reads += 1
+        self.counters.read_bytes += length
+        lo = offset - start
+        return ReadResult(data=bytes(view[lo : lo + length]), length=rec.length, checksum=rec.checksum)
+
+    def _unpin(self, ref: SlotRef) -> None:
+        self._pins[ref] -= 1
+        if self._pins[ref] == 0:
+            del self._pins[ref]
+            if ref in self._free_after_read:
+                self._free_after_read.discard(ref)
+                self.slots.free(ref)
+
+    # -- deletes and inventory ---------------------------------------------
+
+    async def delete(self, chunk_ids: list[bytes]) -> tuple[int, int]:
+        """Deletes chunks; returns (deleted, not found). A slot being read is
+        freed only after the read finishes."""
+        for chunk_id in chunk_ids:
+            self._check_id(chunk_id)
+        async with self._delete_lock:
+            found = {cid: rec for cid in set(chunk_ids) if (rec := self.get(cid)) is not None}
+            if found:
+                await asyncio.wrap_future(self._committer.submit(
+                    deletes=[_KEY_PREFIX + cid for cid in found]))
+            for rec in found.values():
+                if self._pins[rec.slot]:
+                    self._free_after_read.add(rec.slot)
+                else:
+                    self._pins.pop(rec.slot, None)
+                    self.slots.free(rec.slot)
+                self.chunk_count -= 1
+                self.used_bytes -= rec.length
+            self.counters.deletes += len(found)
+            return len(found), len(set(chunk_ids)) - len(found)
+
+    def list(self, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, ChunkRecord]], bytes]:
+        """Up to `limit` chunks after `start_after`, in id order, and the next page token."""
+        it = self._db.iter()
+        it.seek(_KEY_PREFIX + start_after)
+        out: list[tuple[bytes, ChunkRecord]] = []
+        while it.valid() and len(out) <= limit:
+            key = it.key()
+            if not key.startswith(_KEY_PREFIX):
+                break
+            if key[1:] != start_after:
+                out.append((key[1:], ChunkRecord.unpack(it.value())))
+            it.next()
+        del it
+        more = len(out) > limit
+        out = out[:limit]
+        return out, (out[-1][0] if more and out else b"")
+
+    def stat(self) -> dict:
+        return {
+            "capacity_bytes": self.cfg.capacity,
+            "used_bytes": self.used_bytes,
+            "allocated_bytes": self.slots.allocator.allocated_bytes,
+            "chunk_count": self.chunk_count,
+            "io_engine": self.reader.name,
+            "io_mode": self.io_mode,
+        }
+

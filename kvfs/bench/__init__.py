@@ -1,0 +1,1 @@
+"""kvfs-bench: throughput and latency measured side by side in one run."""

@@ -1,0 +1,32 @@
+"""Page-aligned host buffers.
+
+The liburing binding reads only into `bytearray`s, and O_DIRECT needs their
+start aligned to the page. CPython's bytearray drops bytes from its front by
+moving its start pointer (no copy), so over-allocate and trim to the boundary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+PAGE = 4096
+
+
+def address_of(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
+
+
+def aligned_bytearray(n: int, align: int = PAGE) -> bytearray:
+    """A bytearray of exactly n bytes whose first byte is `align`-aligned.
+
+    n must be at least 2 * align: trimming a larger share of the allocation makes
+    CPython move the bytes to a fresh (unaligned) block.
+    """
+    if n < 2 * align:
+        raise ValueError(f"aligned buffers must be at least {2 * align} bytes, not {n}")
+    buf = bytearray(n + align)
+    del buf[: (-address_of(buf)) % align]
+    del buf[n:]
+    if address_of(buf) % align:
+        raise RuntimeError("could not align a bytearray; CPython's resize policy changed")
+    return buf

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (see generate.py); `from kvfs.proto import chunk_pb2`."""

@@ -1,0 +1,1 @@
+"""kvfs.metaserver: block metadata, placement and membership (lands with the metaserver issue)."""
