@@ -26,11 +26,7 @@ def _rpc(method):
         try:
             return await method(self, request, context)
         except KvfsError as err:
-            if err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-                self.store.counters.rejected_requests += 1
-            level = logging.ERROR if err.code == grpc.StatusCode.INTERNAL else logging.WARNING
-            log.log(level, "%s from %s: %s %s", method.__name__, context.peer(), err.code.name, err.message)
-            await context.abort(err.code, err.message)
+            await self._abort(context, method.__name__, err)
 
     return wrapper
 
@@ -38,6 +34,13 @@ def _rpc(method):
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     def __init__(self, store: ChunkStore):
         self.store = store
+
+    async def _abort(self, context: grpc.aio.ServicerContext, rpc: str, err: KvfsError):
+        if err.code == grpc.StatusCode.INVALID_ARGUMENT:
+            self.store.counters.rejected_requests += 1
+        level = logging.ERROR if err.code == grpc.StatusCode.INTERNAL else logging.WARNING
+        log.log(level, "%s from %s: %s %s", rpc, context.peer(), err.code.name, err.message)
+        await context.abort(err.code, err.message)
 
     @_rpc
     async def WriteChunk(self, request_iterator, context):
@@ -65,14 +68,15 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         created = await self.store.write(header.chunk_id, data, header.checksum, header.owner)
         return chunk_pb2.WriteChunkReply(created=created)
 
-    @_rpc
     async def ReadChunks(self, request, context):
-        results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges])
-        return chunk_pb2.ReadChunksReply(results=[
-            chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
-                                  chunk_length=r.length, chunk_checksum=r.checksum)
-            for r in results
-        ])
+        # A streaming handler cannot use @_rpc's return path: errors abort here.
+        try:
+            results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges])
+        except KvfsError as err:
+            await self._abort(context, "ReadChunks", err)
+        for i, r in enumerate(results):
+            yield chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
+                                        chunk_length=r.length, chunk_checksum=r.checksum, index=i)
 
     @_rpc
     async def DeleteChunks(self, request, context):

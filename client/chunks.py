@@ -71,8 +71,14 @@ class ChunkClient:
         its own `code` (0 is OK) so one bad chunk does not fail the rest."""
         request = chunk_pb2.ReadChunksRequest(
             ranges=[chunk_pb2.ReadRange(chunk_id=c, offset=o, length=n) for c, o, n in ranges])
-        reply = await self._call(self._stub.ReadChunks(request, timeout=timeout))
-        return list(reply.results)
+        try:
+            results = [r async for r in self._stub.ReadChunks(request, timeout=timeout)]
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, self.address) from None
+        if [r.index for r in results] != list(range(len(ranges))):
+            raise from_code(13, f"{self.address} answered {len(results)} results out of order "
+                                f"for {len(ranges)} ranges")
+        return results
 
     async def read_chunk(self, chunk_id: bytes, offset: int = 0, length: int = 0) -> bytes:
         """One range's bytes, or the typed error of its status."""

@@ -49,24 +49,20 @@ class ReadChunksRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ...) -> None: ...
 
 class RangeResult(_message.Message):
-    __slots__ = ("code", "message", "data", "chunk_length", "chunk_checksum")
+    __slots__ = ("code", "message", "data", "chunk_length", "chunk_checksum", "index")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     data: bytes
     chunk_length: int
     chunk_checksum: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., data: _Optional[bytes] = ..., chunk_length: _Optional[int] = ..., chunk_checksum: _Optional[int] = ...) -> None: ...
-
-class ReadChunksReply(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[RangeResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[RangeResult, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., data: _Optional[bytes] = ..., chunk_length: _Optional[int] = ..., chunk_checksum: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DeleteChunksRequest(_message.Message):
     __slots__ = ("chunk_ids",)

@@ -39,10 +39,10 @@ class ChunkServiceStub:
                 request_serializer=chunk__pb2.WriteChunkRequest.SerializeToString,
                 response_deserializer=chunk__pb2.WriteChunkReply.FromString,
                 _registered_method=True)
-        self.ReadChunks = channel.unary_unary(
+        self.ReadChunks = channel.unary_stream(
                 '/kvfs.chunk.ChunkService/ReadChunks',
                 request_serializer=chunk__pb2.ReadChunksRequest.SerializeToString,
-                response_deserializer=chunk__pb2.ReadChunksReply.FromString,
+                response_deserializer=chunk__pb2.RangeResult.FromString,
                 _registered_method=True)
         self.DeleteChunks = channel.unary_unary(
                 '/kvfs.chunk.ChunkService/DeleteChunks',
@@ -78,6 +78,8 @@ class ChunkServiceServicer:
         """Reads many ranges at once; they are submitted to the disk together. Each
         range has its own status, so one missing or corrupt chunk does not fail the
         others. A malformed or oversize request fails as a whole (INVALID_ARGUMENT).
+        Results stream back one message per range (so no message is larger than
+        a chunk), in request order, each tagged with its range's index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,10 +112,10 @@ def add_ChunkServiceServicer_to_server(servicer, server):
                     request_deserializer=chunk__pb2.WriteChunkRequest.FromString,
                     response_serializer=chunk__pb2.WriteChunkReply.SerializeToString,
             ),
-            'ReadChunks': grpc.unary_unary_rpc_method_handler(
+            'ReadChunks': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadChunks,
                     request_deserializer=chunk__pb2.ReadChunksRequest.FromString,
-                    response_serializer=chunk__pb2.ReadChunksReply.SerializeToString,
+                    response_serializer=chunk__pb2.RangeResult.SerializeToString,
             ),
             'DeleteChunks': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteChunks,
@@ -179,12 +181,12 @@ class ChunkService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/kvfs.chunk.ChunkService/ReadChunks',
             chunk__pb2.ReadChunksRequest.SerializeToString,
-            chunk__pb2.ReadChunksReply.FromString,
+            chunk__pb2.RangeResult.FromString,
             options,
             channel_credentials,
             insecure,

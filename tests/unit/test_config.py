@@ -1,0 +1,59 @@
+import argparse
+
+import pytest
+
+from kvfs.config import ChunkserverConfig, GiB, MiB, add_flags, load, parse_size
+
+
+@pytest.mark.parametrize("text,value", [("10GiB", 10 * GiB), ("512MiB", 512 * MiB), ("1.5MB", 1_500_000),
+                                        ("4096", 4096), (" 2 kib ", 2048), (7, 7)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "ten", "5 parsecs", "-1GiB"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_precedence_flags_over_env_over_toml_over_defaults(tmp_path):
+    toml = tmp_path / "kvfs.toml"
+    toml.write_text('[chunkserver]\nid = "from-toml"\ncapacity = "3GiB"\nfailure_domain = "rack-t"\n'
+                    'uring_entries = 64\n')
+    env = {"KVFS_CHUNKSERVER_CAPACITY": "2GiB", "KVFS_CHUNKSERVER_FAILURE_DOMAIN": "rack-e"}
+    cfg = load(ChunkserverConfig, "chunkserver", {"config": str(toml), "failure_domain": "rack-f"}, env)
+    assert cfg.id == "from-toml"                # toml over default
+    assert cfg.capacity == 2 * GiB              # env over toml
+    assert cfg.failure_domain == "rack-f"       # flag over env
+    assert cfg.uring_entries == 64
+    assert cfg.listen == ChunkserverConfig().listen
+
+
+def test_config_file_from_env(tmp_path):
+    toml = tmp_path / "k.toml"
+    toml.write_text('[chunkserver]\nio_mode = "buffered"\n')
+    assert load(ChunkserverConfig, "chunkserver", {}, {"KVFS_CONFIG": str(toml)}).io_mode == "buffered"
+
+
+def test_unknown_toml_key_is_an_error(tmp_path):
+    toml = tmp_path / "k.toml"
+    toml.write_text('[chunkserver]\ncapacty = "1GiB"\n')
+    with pytest.raises(ValueError, match="unknown keys.*capacty"):
+        load(ChunkserverConfig, "chunkserver", {"config": str(toml)}, {})
+
+
+@pytest.mark.parametrize("field,value,match", [("io_mode", "fast", "io_mode must be one of"),
+                                               ("io_engine", "aio", "io_engine must be one of"),
+                                               ("max_chunk_size", "1GiB", "max_chunk_size")])
+def test_bad_values_are_refused_with_the_field_named(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        load(ChunkserverConfig, "chunkserver", {field: value}, {})
+
+
+def test_every_field_has_a_flag():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, ChunkserverConfig)
+    args = parser.parse_args(["--data-dir", "/d", "--capacity", "1GiB", "--io-engine", "preadv"])
+    cfg = load(ChunkserverConfig, "chunkserver", vars(args), {})
+    assert (cfg.data_dir, cfg.capacity, cfg.io_engine) == ("/d", GiB, "preadv")
