@@ -57,8 +57,9 @@ class _File:
 class SlotAllocator:
     """Pure bookkeeping of which slots exist and which are free (no I/O).
 
-    `grow` is called with (cls, file, new slot count) when a class needs more
-    slots; it must make them exist on disk or raise.
+    `grow(cls, file, slots, wanted)` is called when a class needs more slots: it
+    must make between 1 and `wanted` more slots exist at the end of that file
+    (which has `slots` now) and return how many it added, or raise.
     """
 
     def __init__(self, capacity: int):
@@ -118,8 +119,9 @@ class SlotAllocator:
         if not files or files[-1] >= per_file:
             files.append(0)
         file = len(files) - 1
-        add = min(max(1, GROW_BYTES // cls), per_file - files[file], room)
-        grow(cls, file, files[file] + add)  # may raise ResourceExhausted (disk full)
+        wanted = min(max(1, GROW_BYTES // cls), per_file - files[file], room)
+        add = grow(cls, file, files[file], wanted)  # may raise ResourceExhausted (disk full)
+        assert 1 <= add <= wanted, (add, wanted)
         heap = self._free[cls]
         for s in range(files[file], files[file] + add):
             heapq.heappush(heap, (file, s))
@@ -173,23 +175,24 @@ class SlotFiles:
     def fds(self, ref: SlotRef) -> _File:
         return self._files[(ref.cls, ref.file)]
 
-    def _grow(self, cls: int, file: int, slots: int) -> None:
+    def _grow(self, cls: int, file: int, slots: int, wanted: int) -> int:
         f = self._files.get((cls, file)) or self._open(cls, file)
-        old = os.fstat(f.fd_write).st_size
-        need = slots * cls - old
         st = os.statvfs(self.root)
-        if st.f_bavail * st.f_frsize - need < self.reserve:
+        fits = (st.f_bavail * st.f_frsize - self.reserve) // cls
+        add = min(wanted, fits)
+        if add < 1:
             raise ResourceExhausted(
-                f"disk full: {st.f_bavail * st.f_frsize} bytes free on {self.root}, "
-                f"growing slot files by {need} would leave less than the {self.reserve}-byte reserve")
+                f"disk full: {st.f_bavail * st.f_frsize} bytes free on {self.root}, another "
+                f"{cls} byte slot would cut into the {self.reserve}-byte reserve kept for the index")
         try:
-            os.posix_fallocate(f.fd_write, old, need)
+            os.posix_fallocate(f.fd_write, slots * cls, add * cls)
         except OSError as err:
-            os.ftruncate(f.fd_write, old)
+            os.ftruncate(f.fd_write, slots * cls)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ResourceExhausted(f"disk full while preallocating {self.path(cls, file)}") from err
             raise
         os.fsync(f.fd_write)  # the new size must survive a crash before slots in it are indexed
+        return add
 
     def close(self) -> None:
         for f in self._files.values():

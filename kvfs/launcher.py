@@ -109,13 +109,19 @@ def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
 
 
 def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
-                      failure_domain: str = "default", capacity: str = "10GiB",
+                      failure_domain: str | None = None, capacity: str | None = None,
                       listen: str = "127.0.0.1:0", extra: list[str] | None = None,
                       run_dir: str | os.PathLike | None = None, timeout: float = 30,
                       env: dict[str, str] | None = None) -> ServerProcess:
-    """Starts `kvfs-chunkserver` in its own process; returns once it serves."""
+    """Starts `kvfs-chunkserver` in its own process; returns once it serves.
+
+    Options left None come from the server's own config (environment, TOML, defaults).
+    """
     data_dir = pathlib.Path(data_dir)
-    args = ["--data-dir", str(data_dir), "--listen", listen, "--id", server_id,
-            "--failure-domain", failure_domain, "--capacity", capacity, *(extra or [])]
+    args = ["--data-dir", str(data_dir), "--listen", listen, "--id", server_id]
+    for flag, value in (("--failure-domain", failure_domain), ("--capacity", capacity)):
+        if value is not None:
+            args += [flag, value]
+    args += extra or []
     return start_server(server_id, "kvfs.chunkserver", args,
                         pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env)

@@ -11,14 +11,17 @@ MiB = 1 << 20
 class Disk:
     """Records grow calls instead of touching files."""
 
-    def __init__(self, fail: bool = False):
-        self.calls: list[tuple[int, int, int]] = []
+    def __init__(self, fail: bool = False, room: int = 1 << 30):
+        self.calls: list[tuple[int, int, int]] = []  # (cls, file, slots after growing)
         self.fail = fail
+        self.room = room
 
-    def __call__(self, cls, file, slots):
+    def __call__(self, cls, file, slots, wanted):
         if self.fail:
             raise ResourceExhausted("disk full (test)")
-        self.calls.append((cls, file, slots))
+        add = min(wanted, self.room)
+        self.calls.append((cls, file, slots + add))
+        return add
 
 
 @pytest.mark.parametrize("length,cls", [(1, MIN_CLASS), (MIN_CLASS, MIN_CLASS), (MIN_CLASS + 1, 2 * MIN_CLASS),
@@ -54,6 +57,13 @@ def test_capacity_limits_growth_to_what_fits():
         alloc.allocate(MiB, disk)
     alloc.free(refs[0])
     assert alloc.allocate(MiB, disk) == refs[0]
+
+
+def test_growth_takes_what_the_disk_can_give():
+    alloc, disk = SlotAllocator(capacity=1 << 30), Disk(room=2)
+    refs = [alloc.allocate(MiB, disk) for _ in range(3)]
+    assert disk.calls == [(MiB, 0, 2), (MiB, 0, 4)]
+    assert alloc.allocated_bytes == 4 * MiB and len(set(refs)) == 3
 
 
 def test_failed_growth_leaves_state_unchanged():
