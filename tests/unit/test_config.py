@@ -57,3 +57,11 @@ def test_every_field_has_a_flag():
     args = parser.parse_args(["--data-dir", "/d", "--capacity", "1GiB", "--io-engine", "preadv"])
     cfg = load(ChunkserverConfig, "chunkserver", vars(args), {})
     assert (cfg.data_dir, cfg.capacity, cfg.io_engine) == ("/d", GiB, "preadv")
+
+
+def test_shipped_sample_config_loads_with_the_defaults():
+    import pathlib
+
+    sample = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "kvfs.toml"
+    cfg = load(ChunkserverConfig, "chunkserver", {"config": str(sample)}, {})
+    assert cfg == ChunkserverConfig()
