@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 
@@ -15,7 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvfs.config import ChunkserverConfig, add_flags, load
 from kvfs.proto import chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
+from kvfs.serving import bound_address, write_ready_file
 
+from .membership import heartbeat_forever
 from .service import ChunkServicer
 from .store import ChunkStore
 
@@ -28,27 +29,23 @@ async def serve(cfg: ChunkserverConfig) -> None:
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(ChunkServicer(store), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(cfg.listen)
-    if port == 0:
-        raise SystemExit(f"cannot listen on {cfg.listen}")
-    address = f"{cfg.listen.rsplit(':', 1)[0]}:{port}"
+    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("kvfs.chunk.ChunkService", health_pb2.HealthCheckResponse.SERVING)
     log.info("chunkserver %s (%s) serving on %s: data %s, capacity %d bytes, %s reads, %s mode",
              cfg.id, cfg.failure_domain, address, cfg.data_dir, cfg.capacity,
              store.reader.name, store.io_mode)
-    if cfg.ready_file:
-        tmp = cfg.ready_file + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.write(address)
-        os.replace(tmp, cfg.ready_file)
+    write_ready_file(cfg.ready_file, address)
+    beats = asyncio.create_task(heartbeat_forever(cfg, store, cfg.advertise or address)) if cfg.meta else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("chunkserver %s stopping", cfg.id)
+    if beats:
+        beats.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
     store.close()

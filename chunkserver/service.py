@@ -2,47 +2,27 @@
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import grpc
 
 from kvfs.errors import InvalidArgument, KvfsError
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
+from kvfs.rpc import abort, handles_errors
 
 from .store import ChunkStore, short_id
 
-log = logging.getLogger(__name__)
-
 DEFAULT_PAGE = 1000
 MAX_PAGE = 10000
-
-
-def _rpc(method):
-    """Turns KvfsError into its status (with a log line); the server serves on."""
-
-    @functools.wraps(method)
-    async def wrapper(self: ChunkServicer, request, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except KvfsError as err:
-            await self._abort(context, method.__name__, err)
-
-    return wrapper
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     def __init__(self, store: ChunkStore):
         self.store = store
 
-    async def _abort(self, context: grpc.aio.ServicerContext, rpc: str, err: KvfsError):
+    def on_error(self, err: KvfsError) -> None:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
             self.store.counters.rejected_requests += 1
-        level = logging.ERROR if err.code == grpc.StatusCode.INTERNAL else logging.WARNING
-        log.log(level, "%s from %s: %s %s", rpc, context.peer(), err.code.name, err.message)
-        await context.abort(err.code, err.message)
 
-    @_rpc
+    @handles_errors
     async def WriteChunk(self, request_iterator, context):
         header = None
         data = bytearray()
@@ -69,21 +49,22 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         return chunk_pb2.WriteChunkReply(created=created)
 
     async def ReadChunks(self, request, context):
-        # A streaming handler cannot use @_rpc's return path: errors abort here.
+        # A streaming handler cannot use @handles_errors's return path: errors abort here.
         try:
             results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges])
         except KvfsError as err:
-            await self._abort(context, "ReadChunks", err)
+            self.on_error(err)
+            await abort(context, "ReadChunks", err)
         for i, r in enumerate(results):
             yield chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
                                         chunk_length=r.length, chunk_checksum=r.checksum, index=i)
 
-    @_rpc
+    @handles_errors
     async def DeleteChunks(self, request, context):
         deleted, not_found = await self.store.delete(list(request.chunk_ids))
         return chunk_pb2.DeleteChunksReply(deleted=deleted, not_found=not_found)
 
-    @_rpc
+    @handles_errors
     async def ListChunks(self, request, context):
         if request.limit > MAX_PAGE:
             raise InvalidArgument(f"page limit {request.limit} is over {MAX_PAGE}")
@@ -93,7 +74,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                                         created=r.created, owner=r.owner) for cid, r in page],
             next_start_after=after)
 
-    @_rpc
+    @handles_errors
     async def Stat(self, request, context):
         c = self.store.counters
         return chunk_pb2.StatReply(

@@ -40,6 +40,37 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|)\s*$")
+_SECONDS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """'3d' -> 259200.0; '500ms' -> 0.5; plain numbers are seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (expected e.g. 500ms, 10s, 5m, 3d)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def parse_ttl_classes(text: str) -> dict[str, float]:
+    """'agent=3d,chat=7d' -> {'agent': 259200.0, 'chat': 604800.0}."""
+    classes = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"bad TTL class {item!r}: expected name=duration, e.g. chat=7d")
+        classes[name.strip()] = parse_duration(value)
+    if not classes:
+        raise ValueError("at least one TTL class is needed")
+    return classes
+
+
+def _duration(default: float, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"duration": True, "help": help})
+
+
 def _size(default: int, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"size": True, "help": help})
 
@@ -65,19 +96,60 @@ class ChunkserverConfig:
     max_chunk_size: int = _size(64 * MiB, "largest chunk accepted")
     max_read_bytes: int = _size(256 * MiB, "most bytes one ReadChunks call may ask for")
     max_ranges: int = _opt(4096, "most ranges one ReadChunks call may ask for")
+    meta: str = _opt("", "metaserver host:port to register with (empty: standalone)")
+    advertise: str = _opt("", "address clients use to reach this server (default: the bound one)")
     ready_file: str = _opt("", "once serving, write the bound address here (for launchers)")
     log_level: str = _opt("INFO", "logging level")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, "
-                                 f"not {getattr(self, f.name)!r}")
+        _check_choices(self)
         if not 64 * KiB <= self.max_chunk_size <= 64 * MiB:
             raise ValueError("max_chunk_size must be between 64KiB and 64MiB")
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetaserverConfig:
+    data_dir: str = _opt("kvfs-data/metaserver", "folder for the metadata RocksDB")
+    listen: str = _opt("127.0.0.1:7000", "host:port for gRPC (port 0 picks a free one)")
+    replicas: int = _opt(2, "copies of every chunk, on servers in distinct failure domains")
+    chunk_size: int = _size(1 * MiB, "blocks are cut into chunks of at most this size")
+    ttl_classes: str = _opt("agent=3d,chat=7d", "TTL classes, name=duration; refreshed on every hit")
+    default_ttl_class: str = _opt("chat", "class of blocks committed without one")
+    heartbeat_interval: float = _duration(2.0, "how often chunkservers heartbeat")
+    heartbeat_timeout: float = _duration(10.0, "a server silent this long is not live")
+    allocation_timeout: float = _duration(60.0, "an allocation not committed by then is garbage")
+    lifecycle_interval: float = _duration(30.0, "how often expiry and orphan GC run")
+    gc_grace: float = _duration(600.0, "an unreferenced chunk younger than this is left alone")
+    max_keys: int = _opt(100_000, "most keys in one MatchPrefix or AllocateBlocks")
+    rebuild: bool = _opt(False, "rebuild block metadata from chunkserver inventories after "
+                         "servers register (see rebuild_after)")
+    rebuild_after: float = _duration(5.0, "with rebuild: wait this long for servers to register")
+    ready_file: str = _opt("", "once serving, write the bound address here (for launchers)")
+    log_level: str = _opt("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        classes = parse_ttl_classes(self.ttl_classes)
+        if self.default_ttl_class not in classes:
+            raise ValueError(f"default_ttl_class {self.default_ttl_class!r} is not one of "
+                             f"{', '.join(classes)}")
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if not 64 * KiB <= self.chunk_size <= 64 * MiB:
+            raise ValueError("chunk_size must be between 64KiB and 64MiB")
+
+    @property
+    def ttls(self) -> dict[str, float]:
+        return parse_ttl_classes(self.ttl_classes)
+
+
+def _check_choices(cfg: Any) -> None:
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {', '.join(choices)}, not {getattr(cfg, f.name)!r}")
 
 
 C = TypeVar("C")
@@ -88,6 +160,8 @@ _TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "float": float}
 def _convert(field: dataclasses.Field, value: Any) -> Any:
     if field.metadata.get("size"):
         return parse_size(value)
+    if field.metadata.get("duration"):
+        return parse_duration(value)
     kind = _TYPES[field.type]
     if kind is bool and isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -99,8 +173,11 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument("--config", help="TOML file with a table per part (env KVFS_CONFIG)")
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, default=None, choices=f.metadata.get("choices"),
-                            help=f"{f.metadata.get('help', '')} (default {f.default})")
+        text = f"{f.metadata.get('help', '')} (default {f.default})"
+        if f.type == "bool":
+            parser.add_argument(flag, action="store_const", const="true", default=None, help=text)
+        else:
+            parser.add_argument(flag, default=None, choices=f.metadata.get("choices"), help=text)
 
 
 def load(cls: type[C], section: str, flags: Mapping[str, Any] | None = None,

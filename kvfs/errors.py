@@ -36,6 +36,10 @@ class OutOfRange(KvfsError):
     code = grpc.StatusCode.OUT_OF_RANGE
 
 
+class FailedPrecondition(KvfsError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DataLoss(KvfsError):
     """Stored or transferred bytes failed their checksum: never served."""
 
@@ -64,6 +68,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvfsError]] = {
         InvalidArgument,
         NotFound,
         AlreadyExists,
+        FailedPrecondition,
         OutOfRange,
         DataLoss,
         ResourceExhausted,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmeta.proto\x12\tkvfs.meta\"@\n\tNamespace\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_format\x18\x03 \x01(\t\"R\n\x0b\x42lockLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06kv_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x9e\x01\n\nChunkOwner\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tblock_key\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12&\n\x06layout\x18\x05 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\x12\x11\n\tttl_class\x18\x06 \x01(\t\"U\n\rChunkLocation\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x10\n\x08replicas\x18\x04 \x03(\t\"z\n\rBlockLocation\x12\x11\n\tblock_key\x18\x01 \x01(\x0c\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.kvfs.meta.ChunkLocationJ\x04\x08\x04\x10\n\"Q\n\x12MatchPrefixRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvfs.meta.Namespace\x12\x0c\n\x04keys\x18\x02 \x03(\x0cJ\x04\x08\x03\x10\n\"M\n\x10MatchPrefixReply\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.kvfs.meta.BlockLocation\"e\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\"\x0f\n\rRegisterReply2\x9a\x01\n\x0bMetaService\x12@\n\x08Register\x12\x1a.kvfs.meta.RegisterRequest\x1a\x18.kvfs.meta.RegisterReply\x12I\n\x0bMatchPrefix\x12\x1d.kvfs.meta.MatchPrefixRequest\x1a\x1b.kvfs.meta.MatchPrefixReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmeta.proto\x12\tkvfs.meta\"@\n\tNamespace\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61\x63he_format\x18\x03 \x01(\t\"R\n\x0b\x42lockLayout\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0e\n\x06kv_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xb2\x01\n\nChunkOwner\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x11\n\tblock_key\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12&\n\x06layout\x18\x05 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\x12\x11\n\tttl_class\x18\x06 \x01(\t\x12\x12\n\nchunk_size\x18\x07 \x01(\x04\"e\n\x0fRegisterRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\"-\n\rRegisterReply\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"\x7f\n\x10HeartbeatRequest\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\"(\n\x0eHeartbeatReply\x12\x16\n\x0eregister_again\x18\x01 \x01(\x08\"v\n\x15\x41llocateBlocksRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvfs.meta.Namespace\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\"f\n\x0e\x43hunkPlacement\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x0f\n\x07servers\x18\x04 \x03(\t\x12\x11\n\taddresses\x18\x05 \x03(\t\"b\n\x0f\x42lockAllocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x08\x12)\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x19.kvfs.meta.ChunkPlacement\"\x82\x01\n\x13\x41llocateBlocksReply\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12*\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1a.kvfs.meta.BlockAllocation\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x12\n\nchunk_size\x18\x04 \x01(\x04\"3\n\x0b\x43ommitBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63hunk_checksums\x18\x02 \x03(\x04\"\x90\x01\n\x13\x43ommitBlocksRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvfs.meta.Namespace\x12\x15\n\rallocation_id\x18\x02 \x01(\x0c\x12&\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x16.kvfs.meta.CommitBlock\x12\x11\n\tttl_class\x18\x04 \x01(\t\"?\n\x11\x43ommitBlocksReply\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\"=\n\x06Server\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\"e\n\rChunkLocation\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x10\n\x08replicas\x18\x05 \x03(\r\"t\n\rBlockLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\x12(\n\x06\x63hunks\x18\x03 \x03(\x0b\x32\x18.kvfs.meta.ChunkLocationJ\x04\x08\x04\x10\n\"Q\n\x12MatchPrefixRequest\x12\'\n\tnamespace\x18\x01 \x01(\x0b\x32\x14.kvfs.meta.Namespace\x12\x0c\n\x04keys\x18\x02 \x03(\x0cJ\x04\x08\x03\x10\n\"q\n\x10MatchPrefixReply\x12\x0f\n\x07matched\x18\x01 \x01(\r\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.kvfs.meta.BlockLocation\x12\"\n\x07servers\x18\x03 \x03(\x0b\x32\x11.kvfs.meta.Server\"\x0f\n\rStatusRequest\"\xc4\x01\n\x0cServerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x0c\n\x04live\x18\x04 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x12\n\nused_bytes\x18\x06 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x08 \x01(\x04\x12\x17\n\x0fheartbeat_age_s\x18\t \x01(\x01\"\xcb\x01\n\x0bStatusReply\x12(\n\x07servers\x18\x01 \x03(\x0b\x32\x17.kvfs.meta.ServerStatus\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x0e\n\x06\x63hains\x18\x05 \x01(\r\x12\x18\n\x10open_allocations\x18\x06 \x01(\x04\x12\x16\n\x0e\x65xpired_blocks\x18\x07 \x01(\x04\x12\x19\n\x11gc_deleted_chunks\x18\x08 \x01(\x04\"\x10\n\x0eRebuildRequest\"W\n\x0cRebuildReply\x12\x17\n\x0f\x62locks_restored\x18\x01 \x01(\r\x12\x19\n\x11\x62locks_incomplete\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunks_seen\x18\x03 \x01(\x04\"\x15\n\x13RunLifecycleRequest\"`\n\x11RunLifecycleReply\x12\x16\n\x0e\x65xpired_blocks\x18\x01 \x01(\r\x12\x1b\n\x13\x65xpired_allocations\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65leted_chunks\x18\x03 \x01(\r\"b\n\x0bStoredChunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\x0f\n\x07servers\x18\x05 \x03(\t\"\x94\x01\n\x0b\x42lockRecord\x12&\n\x06layout\x18\x01 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\x12&\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x16.kvfs.meta.StoredChunk\x12\x11\n\tttl_class\x18\x03 \x01(\t\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\x12\x11\n\tlast_used\x18\x05 \x01(\x01\"\x9e\x01\n\x10\x41llocationRecord\x12\x18\n\x10namespace_digest\x18\x01 \x01(\x0c\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12&\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x16.kvfs.meta.StoredChunk\x12&\n\x06layout\x18\x05 \x01(\x0b\x32\x16.kvfs.meta.BlockLayout\"[\n\x0cServerRecord\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x03 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x32\xca\x04\n\x0bMetaService\x12@\n\x08Register\x12\x1a.kvfs.meta.RegisterRequest\x1a\x18.kvfs.meta.RegisterReply\x12\x43\n\tHeartbeat\x12\x1b.kvfs.meta.HeartbeatRequest\x1a\x19.kvfs.meta.HeartbeatReply\x12R\n\x0e\x41llocateBlocks\x12 .kvfs.meta.AllocateBlocksRequest\x1a\x1e.kvfs.meta.AllocateBlocksReply\x12L\n\x0c\x43ommitBlocks\x12\x1e.kvfs.meta.CommitBlocksRequest\x1a\x1c.kvfs.meta.CommitBlocksReply\x12I\n\x0bMatchPrefix\x12\x1d.kvfs.meta.MatchPrefixRequest\x1a\x1b.kvfs.meta.MatchPrefixReply\x12:\n\x06Status\x12\x18.kvfs.meta.StatusRequest\x1a\x16.kvfs.meta.StatusReply\x12=\n\x07Rebuild\x12\x19.kvfs.meta.RebuildRequest\x1a\x17.kvfs.meta.RebuildReply\x12L\n\x0cRunLifecycle\x12\x1e.kvfs.meta.RunLifecycleRequest\x1a\x1c.kvfs.meta.RunLifecycleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,61 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKLAYOUT']._serialized_start=91
   _globals['_BLOCKLAYOUT']._serialized_end=173
   _globals['_CHUNKOWNER']._serialized_start=176
-  _globals['_CHUNKOWNER']._serialized_end=334
-  _globals['_CHUNKLOCATION']._serialized_start=336
-  _globals['_CHUNKLOCATION']._serialized_end=421
-  _globals['_BLOCKLOCATION']._serialized_start=423
-  _globals['_BLOCKLOCATION']._serialized_end=545
-  _globals['_MATCHPREFIXREQUEST']._serialized_start=547
-  _globals['_MATCHPREFIXREQUEST']._serialized_end=628
-  _globals['_MATCHPREFIXREPLY']._serialized_start=630
-  _globals['_MATCHPREFIXREPLY']._serialized_end=707
-  _globals['_REGISTERREQUEST']._serialized_start=709
-  _globals['_REGISTERREQUEST']._serialized_end=810
-  _globals['_REGISTERREPLY']._serialized_start=812
-  _globals['_REGISTERREPLY']._serialized_end=827
-  _globals['_METASERVICE']._serialized_start=830
-  _globals['_METASERVICE']._serialized_end=984
+  _globals['_CHUNKOWNER']._serialized_end=354
+  _globals['_REGISTERREQUEST']._serialized_start=356
+  _globals['_REGISTERREQUEST']._serialized_end=457
+  _globals['_REGISTERREPLY']._serialized_start=459
+  _globals['_REGISTERREPLY']._serialized_end=504
+  _globals['_HEARTBEATREQUEST']._serialized_start=506
+  _globals['_HEARTBEATREQUEST']._serialized_end=633
+  _globals['_HEARTBEATREPLY']._serialized_start=635
+  _globals['_HEARTBEATREPLY']._serialized_end=675
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_start=677
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_end=795
+  _globals['_CHUNKPLACEMENT']._serialized_start=797
+  _globals['_CHUNKPLACEMENT']._serialized_end=899
+  _globals['_BLOCKALLOCATION']._serialized_start=901
+  _globals['_BLOCKALLOCATION']._serialized_end=999
+  _globals['_ALLOCATEBLOCKSREPLY']._serialized_start=1002
+  _globals['_ALLOCATEBLOCKSREPLY']._serialized_end=1132
+  _globals['_COMMITBLOCK']._serialized_start=1134
+  _globals['_COMMITBLOCK']._serialized_end=1185
+  _globals['_COMMITBLOCKSREQUEST']._serialized_start=1188
+  _globals['_COMMITBLOCKSREQUEST']._serialized_end=1332
+  _globals['_COMMITBLOCKSREPLY']._serialized_start=1334
+  _globals['_COMMITBLOCKSREPLY']._serialized_end=1397
+  _globals['_SERVER']._serialized_start=1399
+  _globals['_SERVER']._serialized_end=1460
+  _globals['_CHUNKLOCATION']._serialized_start=1462
+  _globals['_CHUNKLOCATION']._serialized_end=1563
+  _globals['_BLOCKLOCATION']._serialized_start=1565
+  _globals['_BLOCKLOCATION']._serialized_end=1681
+  _globals['_MATCHPREFIXREQUEST']._serialized_start=1683
+  _globals['_MATCHPREFIXREQUEST']._serialized_end=1764
+  _globals['_MATCHPREFIXREPLY']._serialized_start=1766
+  _globals['_MATCHPREFIXREPLY']._serialized_end=1879
+  _globals['_STATUSREQUEST']._serialized_start=1881
+  _globals['_STATUSREQUEST']._serialized_end=1896
+  _globals['_SERVERSTATUS']._serialized_start=1899
+  _globals['_SERVERSTATUS']._serialized_end=2095
+  _globals['_STATUSREPLY']._serialized_start=2098
+  _globals['_STATUSREPLY']._serialized_end=2301
+  _globals['_REBUILDREQUEST']._serialized_start=2303
+  _globals['_REBUILDREQUEST']._serialized_end=2319
+  _globals['_REBUILDREPLY']._serialized_start=2321
+  _globals['_REBUILDREPLY']._serialized_end=2408
+  _globals['_RUNLIFECYCLEREQUEST']._serialized_start=2410
+  _globals['_RUNLIFECYCLEREQUEST']._serialized_end=2431
+  _globals['_RUNLIFECYCLEREPLY']._serialized_start=2433
+  _globals['_RUNLIFECYCLEREPLY']._serialized_end=2529
+  _globals['_STOREDCHUNK']._serialized_start=2531
+  _globals['_STOREDCHUNK']._serialized_end=2629
+  _globals['_BLOCKRECORD']._serialized_start=2632
+  _globals['_BLOCKRECORD']._serialized_end=2780
+  _globals['_ALLOCATIONRECORD']._serialized_start=2783
+  _globals['_ALLOCATIONRECORD']._serialized_end=2941
+  _globals['_SERVERRECORD']._serialized_start=2943
+  _globals['_SERVERRECORD']._serialized_end=3034
+  _globals['_METASERVICE']._serialized_start=3037
+  _globals['_METASERVICE']._serialized_end=3623
 # @@protoc_insertion_point(module_scope)

@@ -29,58 +29,22 @@ class BlockLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ChunkOwner(_message.Message):
-    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class")
+    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     block_key: bytes
     chunk_index: int
     chunk_count: int
     layout: BlockLayout
     ttl_class: str
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ...) -> None: ...
-
-class ChunkLocation(_message.Message):
-    __slots__ = ("chunk_id", "length", "checksum", "replicas")
-    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    chunk_id: bytes
-    length: int
-    checksum: int
-    replicas: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_id: _Optional[bytes] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class BlockLocation(_message.Message):
-    __slots__ = ("block_key", "layout", "chunks")
-    BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    block_key: bytes
-    layout: BlockLayout
-    chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
-    def __init__(self, block_key: _Optional[bytes] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ...) -> None: ...
-
-class MatchPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
-    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    namespace: Namespace
-    keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class MatchPrefixReply(_message.Message):
-    __slots__ = ("matched", "blocks")
-    MATCHED_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    matched: int
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+    chunk_size: int
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes")
@@ -95,5 +59,281 @@ class RegisterRequest(_message.Message):
     def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("server_id", "used_bytes", "allocated_bytes", "chunk_count", "capacity_bytes")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    used_bytes: int
+    allocated_bytes: int
+    chunk_count: int
+    capacity_bytes: int
+    def __init__(self, server_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("register_again",)
+    REGISTER_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    register_again: bool
+    def __init__(self, register_again: _Optional[bool] = ...) -> None: ...
+
+class AllocateBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "layout")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    layout: BlockLayout
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
+
+class ChunkPlacement(_message.Message):
+    __slots__ = ("chunk_id", "offset", "length", "servers", "addresses")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: bytes
+    offset: int
+    length: int
+    servers: _containers.RepeatedScalarFieldContainer[str]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockAllocation(_message.Message):
+    __slots__ = ("key", "already_present", "chunks")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    already_present: bool
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkPlacement]
+    def __init__(self, key: _Optional[bytes] = ..., already_present: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlacement, _Mapping]]] = ...) -> None: ...
+
+class AllocateBlocksReply(_message.Message):
+    __slots__ = ("allocation_id", "blocks", "expires_in_s", "chunk_size")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockAllocation]
+    expires_in_s: float
+    chunk_size: int
+    def __init__(self, allocation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockAllocation, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class CommitBlock(_message.Message):
+    __slots__ = ("key", "chunk_checksums")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[bytes] = ..., chunk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitBlocksRequest(_message.Message):
+    __slots__ = ("namespace", "allocation_id", "blocks", "ttl_class")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    allocation_id: bytes
+    blocks: _containers.RepeatedCompositeFieldContainer[CommitBlock]
+    ttl_class: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., allocation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., ttl_class: _Optional[str] = ...) -> None: ...
+
+class CommitBlocksReply(_message.Message):
+    __slots__ = ("committed", "already_present")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    already_present: int
+    def __init__(self, committed: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
+
+class Server(_message.Message):
+    __slots__ = ("id", "address", "failure_domain")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    failure_domain: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ...) -> None: ...
+
+class ChunkLocation(_message.Message):
+    __slots__ = ("chunk_id", "offset", "length", "checksum", "replicas")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: bytes
+    offset: int
+    length: int
+    checksum: int
+    replicas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("key", "layout", "chunks")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    layout: BlockLayout
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
+    def __init__(self, key: _Optional[bytes] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ...) -> None: ...
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MatchPrefixReply(_message.Message):
+    __slots__ = ("matched", "blocks", "servers")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    servers: _containers.RepeatedCompositeFieldContainer[Server]
+    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., servers: _Optional[_Iterable[_Union[Server, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ServerStatus(_message.Message):
+    __slots__ = ("id", "address", "failure_domain", "live", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "heartbeat_age_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    failure_domain: str
+    live: bool
+    capacity_bytes: int
+    used_bytes: int
+    allocated_bytes: int
+    chunk_count: int
+    heartbeat_age_s: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks")
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GC_DELETED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
+    blocks: int
+    block_bytes: int
+    replicas: int
+    chains: int
+    open_allocations: int
+    expired_blocks: int
+    gc_deleted_chunks: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ...) -> None: ...
+
+class RebuildRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RebuildReply(_message.Message):
+    __slots__ = ("blocks_restored", "blocks_incomplete", "chunks_seen")
+    BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    blocks_restored: int
+    blocks_incomplete: int
+    chunks_seen: int
+    def __init__(self, blocks_restored: _Optional[int] = ..., blocks_incomplete: _Optional[int] = ..., chunks_seen: _Optional[int] = ...) -> None: ...
+
+class RunLifecycleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunLifecycleReply(_message.Message):
+    __slots__ = ("expired_blocks", "expired_allocations", "deleted_chunks")
+    EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    expired_blocks: int
+    expired_allocations: int
+    deleted_chunks: int
+    def __init__(self, expired_blocks: _Optional[int] = ..., expired_allocations: _Optional[int] = ..., deleted_chunks: _Optional[int] = ...) -> None: ...
+
+class StoredChunk(_message.Message):
+    __slots__ = ("chunk_id", "offset", "length", "checksum", "servers")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: bytes
+    offset: int
+    length: int
+    checksum: int
+    servers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlockRecord(_message.Message):
+    __slots__ = ("layout", "chunks", "ttl_class", "created", "last_used")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    layout: BlockLayout
+    chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
+    ttl_class: str
+    created: float
+    last_used: float
+    def __init__(self, layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., ttl_class: _Optional[str] = ..., created: _Optional[float] = ..., last_used: _Optional[float] = ...) -> None: ...
+
+class AllocationRecord(_message.Message):
+    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout")
+    NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    namespace_digest: bytes
+    expires_at: float
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
+    layout: BlockLayout
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
+
+class ServerRecord(_message.Message):
+    __slots__ = ("id", "address", "failure_domain", "capacity_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    failure_domain: str
+    capacity_bytes: int
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...

@@ -39,10 +39,40 @@ class MetaServiceStub:
                 request_serializer=meta__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=meta__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvfs.meta.MetaService/Heartbeat',
+                request_serializer=meta__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=meta__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.AllocateBlocks = channel.unary_unary(
+                '/kvfs.meta.MetaService/AllocateBlocks',
+                request_serializer=meta__pb2.AllocateBlocksRequest.SerializeToString,
+                response_deserializer=meta__pb2.AllocateBlocksReply.FromString,
+                _registered_method=True)
+        self.CommitBlocks = channel.unary_unary(
+                '/kvfs.meta.MetaService/CommitBlocks',
+                request_serializer=meta__pb2.CommitBlocksRequest.SerializeToString,
+                response_deserializer=meta__pb2.CommitBlocksReply.FromString,
+                _registered_method=True)
         self.MatchPrefix = channel.unary_unary(
                 '/kvfs.meta.MetaService/MatchPrefix',
                 request_serializer=meta__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=meta__pb2.MatchPrefixReply.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvfs.meta.MetaService/Status',
+                request_serializer=meta__pb2.StatusRequest.SerializeToString,
+                response_deserializer=meta__pb2.StatusReply.FromString,
+                _registered_method=True)
+        self.Rebuild = channel.unary_unary(
+                '/kvfs.meta.MetaService/Rebuild',
+                request_serializer=meta__pb2.RebuildRequest.SerializeToString,
+                response_deserializer=meta__pb2.RebuildReply.FromString,
+                _registered_method=True)
+        self.RunLifecycle = channel.unary_unary(
+                '/kvfs.meta.MetaService/RunLifecycle',
+                request_serializer=meta__pb2.RunLifecycleRequest.SerializeToString,
+                response_deserializer=meta__pb2.RunLifecycleReply.FromString,
                 _registered_method=True)
 
 
@@ -50,12 +80,52 @@ class MetaServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
+        """Chunkservers: join (or rejoin) the cluster, then heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllocateBlocks(self, request, context):
+        """Writers: allocate chunks for new blocks, write them to every replica, commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def MatchPrefix(self, request, context):
+        """Readers: the longest cached prefix and where its chunks are, in one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Admin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rebuild(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunLifecycle(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,10 +139,40 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     request_deserializer=meta__pb2.RegisterRequest.FromString,
                     response_serializer=meta__pb2.RegisterReply.SerializeToString,
             ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=meta__pb2.HeartbeatRequest.FromString,
+                    response_serializer=meta__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'AllocateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateBlocks,
+                    request_deserializer=meta__pb2.AllocateBlocksRequest.FromString,
+                    response_serializer=meta__pb2.AllocateBlocksReply.SerializeToString,
+            ),
+            'CommitBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitBlocks,
+                    request_deserializer=meta__pb2.CommitBlocksRequest.FromString,
+                    response_serializer=meta__pb2.CommitBlocksReply.SerializeToString,
+            ),
             'MatchPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.MatchPrefix,
                     request_deserializer=meta__pb2.MatchPrefixRequest.FromString,
                     response_serializer=meta__pb2.MatchPrefixReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=meta__pb2.StatusRequest.FromString,
+                    response_serializer=meta__pb2.StatusReply.SerializeToString,
+            ),
+            'Rebuild': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rebuild,
+                    request_deserializer=meta__pb2.RebuildRequest.FromString,
+                    response_serializer=meta__pb2.RebuildReply.SerializeToString,
+            ),
+            'RunLifecycle': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunLifecycle,
+                    request_deserializer=meta__pb2.RunLifecycleRequest.FromString,
+                    response_serializer=meta__pb2.RunLifecycleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -113,6 +213,87 @@ class MetaService:
             _registered_method=True)
 
     @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/Heartbeat',
+            meta__pb2.HeartbeatRequest.SerializeToString,
+            meta__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/AllocateBlocks',
+            meta__pb2.AllocateBlocksRequest.SerializeToString,
+            meta__pb2.AllocateBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/CommitBlocks',
+            meta__pb2.CommitBlocksRequest.SerializeToString,
+            meta__pb2.CommitBlocksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def MatchPrefix(request,
             target,
             options=(),
@@ -129,6 +310,87 @@ class MetaService:
             '/kvfs.meta.MetaService/MatchPrefix',
             meta__pb2.MatchPrefixRequest.SerializeToString,
             meta__pb2.MatchPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/Status',
+            meta__pb2.StatusRequest.SerializeToString,
+            meta__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rebuild(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/Rebuild',
+            meta__pb2.RebuildRequest.SerializeToString,
+            meta__pb2.RebuildReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunLifecycle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/RunLifecycle',
+            meta__pb2.RunLifecycleRequest.SerializeToString,
+            meta__pb2.RunLifecycleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,45 @@
+"""Registration with the metaserver, then heartbeats carrying usage."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kvfs.config import ChunkserverConfig
+from kvfs.proto import meta_pb2, meta_pb2_grpc
+
+from .store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str) -> None:
+    """Registers (retrying until the metaserver answers) and heartbeats for ever."""
+    async with grpc.aio.insecure_channel(cfg.meta) as channel:
+        stub = meta_pb2_grpc.MetaServiceStub(channel)
+        interval, registered, failures = 1.0, False, 0
+        while True:
+            try:
+                if not registered:
+                    reply = await stub.Register(meta_pb2.RegisterRequest(
+                        server_id=cfg.id, address=address, failure_domain=cfg.failure_domain,
+                        capacity_bytes=cfg.capacity), timeout=10)
+                    interval, registered = reply.heartbeat_interval_s or interval, True
+                    log.info("registered with metaserver %s as %s (%s)", cfg.meta, cfg.id, address)
+                stat = store.stat()
+                reply = await stub.Heartbeat(meta_pb2.HeartbeatRequest(
+                    server_id=cfg.id, used_bytes=stat["used_bytes"], allocated_bytes=stat["allocated_bytes"],
+                    chunk_count=stat["chunk_count"], capacity_bytes=stat["capacity_bytes"]), timeout=10)
+                if reply.register_again:
+                    registered = False
+                    continue
+                if failures:
+                    log.info("metaserver %s reachable again", cfg.meta)
+                failures = 0
+            except grpc.aio.AioRpcError as err:
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("metaserver %s: %s (%s); retrying", cfg.meta, err.code().name, err.details())
+            await asyncio.sleep(interval)

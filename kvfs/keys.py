@@ -1,0 +1,62 @@
+"""Namespaces and chained block keys.
+
+key_i = blake2b(key_{i-1} || token ids of block i as little-endian int32,
+                key = namespace digest, digest_size = 16)
+with key_{-1} derived from the namespace. A key names the whole prefix up to and
+including its block, so a match is exact from token 0. The hash is keyed and
+cryptographic on purpose: a shared cache keyed by a fast non-cryptographic hash
+can be poisoned with crafted collisions (vLLM advisory GHSA-rm76-4mrf-v9r8).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Whose cache a block belongs to: blocks of two namespaces never match."""
+
+    tenant: str
+    model: str
+    cache_format: str = "mla-bf16"
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvfs-namespace")
+        for part in (self.tenant, self.model, self.cache_format):
+            raw = part.encode()
+            h.update(len(raw).to_bytes(4, "little"))  # length-prefixed: ("ab","c") != ("a","bc")
+            h.update(raw)
+        object.__setattr__(self, "digest", h.digest())
+
+    def root_key(self) -> bytes:
+        """key_{-1}: the chain's starting point in this namespace."""
+        return hashlib.blake2b(b"kvfs-root", key=self.digest, digest_size=KEY_BYTES).digest()
+
+
+def block_keys(namespace: Namespace, token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
+    """Keys of every full block of `token_ids` (a trailing partial block has none)."""
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    try:
+        tokens = array.array("i", token_ids)
+    except OverflowError as err:
+        raise ValueError(f"token ids must fit in int32: {err}") from None
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    raw = tokens.tobytes()
+    step = block_tokens * 4
+    keys: list[bytes] = []
+    prev = namespace.root_key()
+    for start in range(0, len(raw) - step + 1, step):
+        prev = hashlib.blake2b(prev + raw[start : start + step], key=namespace.digest,
+                               digest_size=KEY_BYTES).digest()
+        keys.append(prev)
+    return keys

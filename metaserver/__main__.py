@@ -1,0 +1,6 @@
+"""python -m kvfs.metaserver"""
+import sys
+
+from .main import main
+
+sys.exit(main())

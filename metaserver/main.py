@@ -1,0 +1,76 @@
+"""`kvfs-metaserver`: flags, then serve() until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvfs.config import MetaserverConfig, add_flags, load
+from kvfs.proto import meta_pb2_grpc
+from kvfs.rpc import CHANNEL_OPTIONS
+from kvfs.serving import bound_address, write_ready_file
+
+from .lifecycle import Lifecycle
+from .service import MetaServicer
+from .state import MetaState
+
+log = logging.getLogger("kvfs.metaserver")
+
+
+async def _rebuild_later(lifecycle: Lifecycle, delay: float) -> None:
+    await asyncio.sleep(delay)  # let chunkservers register first
+    await lifecycle.rebuild()
+
+
+async def serve(cfg: MetaserverConfig) -> None:
+    state = MetaState(cfg)
+    lifecycle = Lifecycle(state)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(state, lifecycle), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d", address, cfg.data_dir,
+             cfg.replicas, cfg.chunk_size)
+    write_ready_file(cfg.ready_file, address)
+    tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever())]
+    if cfg.rebuild:
+        tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("metaserver stopping")
+    for t in tasks:
+        t.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2)
+    await lifecycle.close()
+    state.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfs-metaserver", description="Run the kvfs metaserver.")
+    add_flags(parser, MetaserverConfig)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(MetaserverConfig, "metaserver", vars(args))
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The metaserver's gRPC face: one servicer over MetaState and Lifecycle."""
+
+from __future__ import annotations
+
+from kvfs.errors import InvalidArgument
+from kvfs.keys import Namespace
+from kvfs.proto import meta_pb2, meta_pb2_grpc
+from kvfs.rpc import handles_errors
+
+from .lifecycle import Lifecycle
+from .state import MetaState
+
+
+def namespace_digest(msg: meta_pb2.Namespace) -> bytes:
+    if not msg.tenant or not msg.model:
+        raise InvalidArgument("namespace needs a tenant and a model")
+    return Namespace(msg.tenant, msg.model, msg.cache_format).digest
+
+
+class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
+    def __init__(self, state: MetaState, lifecycle: Lifecycle):
+        self.state = state
+        self.lifecycle = lifecycle
+
+    @handles_errors
+    async def Register(self, request, context):
+        self.state.register(request)
+        return meta_pb2.RegisterReply(heartbeat_interval_s=self.state.cfg.heartbeat_interval)
+
+    @handles_errors
+    async def Heartbeat(self, request, context):
+        return meta_pb2.HeartbeatReply(register_again=not self.state.heartbeat(request))
+
+    @handles_errors
+    async def AllocateBlocks(self, request, context):
+        return self.state.allocate(namespace_digest(request.namespace), list(request.keys), request.layout)
+
+    @handles_errors
+    async def CommitBlocks(self, request, context):
+        committed, already, garbage = self.state.commit(namespace_digest(request.namespace), request)
+        self.lifecycle.queue_deletes(garbage)
+        return meta_pb2.CommitBlocksReply(committed=committed, already_present=already)
+
+    @handles_errors
+    async def MatchPrefix(self, request, context):
+        return self.state.match(namespace_digest(request.namespace), list(request.keys))
+
+    @handles_errors
+    async def Status(self, request, context):
+        st = self.state
+        now = st.clock()
+        reply = meta_pb2.StatusReply(blocks=len(st.blocks), block_bytes=sum(b.nbytes for b in st.blocks.values()),
+                                     replicas=st.cfg.replicas, chains=len(st.chains),
+                                     open_allocations=len(st.allocations), expired_blocks=st.expired_blocks,
+                                     gc_deleted_chunks=st.gc_deleted_chunks)
+        for sid in sorted(st.servers):
+            s = st.servers[sid]
+            reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,
+                              live=st.is_live(s), capacity_bytes=s.record.capacity_bytes, used_bytes=s.used_bytes,
+                              allocated_bytes=s.allocated_bytes, chunk_count=s.chunk_count,
+                              heartbeat_age_s=now - s.last_heartbeat)
+        return reply
+
+    @handles_errors
+    async def Rebuild(self, request, context):
+        return await self.lifecycle.rebuild()
+
+    @handles_errors
+    async def RunLifecycle(self, request, context):
+        return await self.lifecycle.run_once()

@@ -1,0 +1,396 @@
+"""The metaserver's state: blocks, allocations and servers in RocksDB.
+
+Keys: b"b" + namespace digest + block key -> BlockRecord; b"a" + allocation id
+-> AllocationRecord; b"s" + server id -> ServerRecord. Commits, registrations
+and allocations are synced RocksDB batches, so an acknowledged commit survives a
+crash. What changes on every lookup (a block's last use) is kept in memory and
+flushed in batches: losing the last seconds of it costs only TTL precision.
+
+All methods are called from the server's event loop; nothing here does network
+I/O, and time comes from an injectable clock so expiry is testable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+from kvfs.config import MetaserverConfig
+from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvfs.keys import KEY_BYTES
+from kvfs.layout import BlockLayout
+from kvfs.proto import meta_pb2
+
+from .chains import Chain, Member, Placer, build_chains
+
+log = logging.getLogger(__name__)
+
+_BLOCK, _ALLOC, _SERVER = b"b", b"a", b"s"
+
+
+@dataclass(slots=True)
+class ServerState:
+    record: meta_pb2.ServerRecord
+    last_heartbeat: float
+    used_bytes: int = 0
+    allocated_bytes: int = 0
+    chunk_count: int = 0
+    pending_bytes: int = 0  # allocated to writers, not yet seen in heartbeats
+
+
+@dataclass(slots=True)
+class BlockInfo:
+    """What lifecycle needs of every block, kept in memory."""
+
+    last_used: float
+    ttl: float
+    nbytes: int
+    dirty: bool = False
+
+
+@dataclass(slots=True)
+class Allocation:
+    record: meta_pb2.AllocationRecord
+    chunk_ids: set[bytes] = field(default_factory=set)
+
+
+def layout_of(msg: meta_pb2.BlockLayout) -> BlockLayout:
+    try:
+        return BlockLayout(msg.layers, msg.block_tokens, msg.kv_dim, msg.dtype)
+    except ValueError as err:
+        raise InvalidArgument(f"bad block layout: {err}") from None
+
+
+class MetaState:
+    def __init__(self, cfg: MetaserverConfig, clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.clock = clock
+        self.ttls = cfg.ttls
+        os.makedirs(cfg.data_dir, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        self.db = Rdict(os.path.join(cfg.data_dir, "meta"), opts)
+        self._sync = WriteOptions()
+        self._sync.sync = True
+        self.servers: dict[str, ServerState] = {}
+        self.blocks: dict[bytes, BlockInfo] = {}
+        self.allocations: dict[bytes, Allocation] = {}
+        self.chains: list[Chain] = []
+        self.expired_blocks = 0
+        self.gc_deleted_chunks = 0
+        self._load()
+
+    def _load(self) -> None:
+        now = self.clock()
+        for key, raw in self.db.items():
+            kind = key[:1]
+            if kind == _SERVER:
+                rec = meta_pb2.ServerRecord.FromString(raw)
+                # after a restart every known server gets one heartbeat timeout to check in
+                self.servers[rec.id] = ServerState(rec, now)
+            elif kind == _BLOCK:
+                rec = meta_pb2.BlockRecord.FromString(raw)
+                self.blocks[key[1:]] = BlockInfo(rec.last_used, self._ttl(rec.ttl_class),
+                                                 sum(c.length for c in rec.chunks))
+            elif kind == _ALLOC:
+                rec = meta_pb2.AllocationRecord.FromString(raw)
+                self.allocations[key[1:]] = Allocation(rec, {c.chunk_id for c in rec.chunks})
+        self._rebuild_chains()
+        log.info("metadata loaded: %d blocks, %d servers, %d open allocations",
+                 len(self.blocks), len(self.servers), len(self.allocations))
+
+    def close(self) -> None:
+        self.flush_last_used()
+        self.db.close()
+
+    def _ttl(self, ttl_class: str) -> float:
+        return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
+
+    # ---- membership ------------------------------------------------------
+
+    def register(self, req: meta_pb2.RegisterRequest) -> None:
+        if not req.server_id or not req.address:
+            raise InvalidArgument("Register needs a server_id and an address")
+        rec = meta_pb2.ServerRecord(id=req.server_id, address=req.address,
+                                    failure_domain=req.failure_domain or "default",
+                                    capacity_bytes=req.capacity_bytes)
+        known = self.servers.get(req.server_id)
+        if known is None or known.record != rec:
+            self.db.put(_SERVER + req.server_id.encode(), rec.SerializeToString(), self._sync)
+            log.info("chunkserver %s registered at %s (domain %s, capacity %d)", rec.id, rec.address,
+                     rec.failure_domain, rec.capacity_bytes)
+        state = self.servers.setdefault(req.server_id, ServerState(rec, self.clock()))
+        state.record = rec
+        state.last_heartbeat = self.clock()
+        self._rebuild_chains()
+
+    def heartbeat(self, req: meta_pb2.HeartbeatRequest) -> bool:
+        state = self.servers.get(req.server_id)
+        if state is None:
+            return False
+        was_live = self.is_live(state)
+        state.last_heartbeat = self.clock()
+        state.used_bytes, state.allocated_bytes = req.used_bytes, req.allocated_bytes
+        state.chunk_count = req.chunk_count
+        state.record.capacity_bytes = req.capacity_bytes or state.record.capacity_bytes
+        state.pending_bytes = 0  # what was pending is in used_bytes now, or was abandoned
+        if not was_live:
+            log.info("chunkserver %s is live again", req.server_id)
+            self._rebuild_chains()
+        return True
+
+    def is_live(self, state: ServerState) -> bool:
+        return self.clock() - state.last_heartbeat <= self.cfg.heartbeat_timeout
+
+    def live_servers(self) -> dict[str, ServerState]:
+        return {sid: s for sid, s in self.servers.items() if self.is_live(s)}
+
+    def _rebuild_chains(self) -> None:
+        live = self.live_servers()
+        chains = build_chains([Member(s.record.id, s.record.failure_domain) for s in live.values()],
+                              self.cfg.replicas)
+        if chains != self.chains:
+            self.chains = chains
+            log.info("chain table: %d chains of %d over %d live servers", len(chains), self.cfg.replicas, len(live))
+
+    def refresh_liveness(self) -> None:
+        """Drops servers that went silent from the chain table."""
+        live = set(self.live_servers())
+        if any(s not in live for c in self.chains for s in c) or \
+                len(live) != len({s for c in self.chains for s in c}):
+            self._rebuild_chains()
+
+    # ---- allocation and commit -------------------------------------------
+
+    def _check(self, namespace_digest: bytes, keys: Iterable[bytes], what: str) -> list[bytes]:
+        keys = list(keys)
+        if len(keys) > self.cfg.max_keys:
+            raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {self.cfg.max_keys}")
+        bad = [k for k in keys if len(k) != KEY_BYTES]
+        if bad:
+            raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes; got one of {len(bad[0])}")
+        return keys
+
+    def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg) -> meta_pb2.AllocateBlocksReply:
+        keys = self._check(namespace_digest, keys, "AllocateBlocks")
+        layout = layout_of(layout_msg)
+        self.refresh_liveness()
+        live = self.live_servers()
+        placer = Placer(self.chains, {sid: max(0, s.record.capacity_bytes - s.used_bytes - s.pending_bytes)
+                                      for sid, s in live.items()})
+        spans = layout.chunks(self.cfg.chunk_size)
+        alloc_id = os.urandom(16)
+        reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
+                                             chunk_size=self.cfg.chunk_size)
+        record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
+                                           expires_at=self.clock() + self.cfg.allocation_timeout)
+        present = self.db.get([_BLOCK + namespace_digest + k for k in keys])
+        for key, existing in zip(keys, present):
+            block = reply.blocks.add(key=key)
+            if existing is not None:
+                block.already_present = True
+                continue
+            record.keys.append(key)
+            for span, chain in zip(spans, placer.place_block([s.length for s in spans])):
+                cid = os.urandom(16)
+                block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
+                                 addresses=[live[s].record.address for s in chain])
+                record.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain)
+                for s in chain:
+                    live[s].pending_bytes += span.length
+        if record.keys:
+            self.db.put(_ALLOC + alloc_id, record.SerializeToString(), self._sync)
+            self.allocations[alloc_id] = Allocation(record, {c.chunk_id for c in record.chunks})
+        return reply
+
+    def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
+        """Commits blocks of an allocation; returns (committed, already present,
+        chunks that became garbage: those of blocks someone else committed first)."""
+        alloc = self.allocations.get(req.allocation_id)
+        if alloc is None:
+            raise NotFound("allocation not found: it expired or was committed already; allocate again")
+        if alloc.record.namespace_digest != namespace_digest:
+            raise FailedPrecondition("allocation belongs to another namespace")
+        ttl_class = req.ttl_class or self.cfg.default_ttl_class
+        if ttl_class not in self.ttls:
+            raise InvalidArgument(f"unknown TTL class {ttl_class!r}; known: {', '.join(self.ttls)}")
+        chunks_by_key: dict[bytes, list] = {}
+        per_block = len(alloc.record.chunks) // max(1, len(alloc.record.keys))
+        for i, key in enumerate(alloc.record.keys):
+            chunks_by_key[key] = list(alloc.record.chunks[i * per_block : (i + 1) * per_block])
+        keys = self._check(namespace_digest, (b.key for b in req.blocks), "CommitBlocks")
+        unknown = [k for k in keys if k not in chunks_by_key]
+        if unknown:
+            raise InvalidArgument(f"block {unknown[0].hex()} is not part of this allocation")
+        present = self.db.get([_BLOCK + namespace_digest + k for k in keys])
+        now = self.clock()
+        batch = WriteBatch(raw_mode=True)
+        committed, already, garbage, new_blocks = 0, 0, [], {}
+        for block, existing in zip(req.blocks, present):
+            chunks = chunks_by_key.pop(block.key)
+            if len(block.chunk_checksums) != len(chunks):
+                raise InvalidArgument(f"block {block.key.hex()}: {len(block.chunk_checksums)} checksums "
+                                      f"for {len(chunks)} chunks")
+            if existing is not None or block.key in new_blocks:
+                already += 1  # first writer wins; this writer's chunks are garbage
+                garbage += chunks
+                continue
+            rec = meta_pb2.BlockRecord(ttl_class=ttl_class, created=now, last_used=now)
+            for c, xxh in zip(chunks, block.chunk_checksums):
+                rec.chunks.add(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=xxh,
+                               servers=c.servers)
+            rec.layout.CopyFrom(alloc.record.layout)
+            batch.put(_BLOCK + namespace_digest + block.key, rec.SerializeToString())
+            new_blocks[block.key] = BlockInfo(now, self._ttl(ttl_class), sum(c.length for c in chunks))
+            committed += 1
+        for leftover in chunks_by_key.values():  # allocated but not committed: abandoned
+            garbage += leftover
+        batch.delete(_ALLOC + req.allocation_id)
+        self.db.write(batch, self._sync)
+        del self.allocations[req.allocation_id]
+        for key, info in new_blocks.items():
+            self.blocks[namespace_digest + key] = info
+        return committed, already, garbage
+
+    # ---- lookup ----------------------------------------------------------
+
+    def match(self, namespace_digest: bytes, keys: list[bytes]) -> meta_pb2.MatchPrefixReply:
+        keys = self._check(namespace_digest, keys, "MatchPrefix")
+        reply = meta_pb2.MatchPrefixReply()
+        if not keys:
+            return reply
+        now = self.clock()
+        live = self.live_servers()
+        index: dict[str, int] = {}
+        for key, raw in zip(keys, self.db.get([_BLOCK + namespace_digest + k for k in keys])):
+            full = namespace_digest + key
+            info = self.blocks.get(full)
+            if raw is None or info is None or now > info.last_used + info.ttl:
+                break
+            rec = meta_pb2.BlockRecord.FromString(raw)
+            loc = meta_pb2.BlockLocation(key=key, layout=rec.layout)
+            readable = True
+            for c in rec.chunks:
+                replicas = []
+                for sid in c.servers:
+                    if sid in live:
+                        if sid not in index:
+                            index[sid] = len(reply.servers)
+                            s = live[sid].record
+                            reply.servers.add(id=s.id, address=s.address, failure_domain=s.failure_domain)
+                        replicas.append(index[sid])
+                if not replicas:
+                    readable = False
+                    break
+                loc.chunks.add(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
+                               replicas=replicas)
+            if not readable:
+                break
+            reply.blocks.append(loc)
+            info.last_used = now
+            info.dirty = True
+        reply.matched = len(reply.blocks)
+        return reply
+
+    def flush_last_used(self) -> int:
+        """Persists refreshed last-use times (batched, not synced)."""
+        dirty = [k for k, info in self.blocks.items() if info.dirty]
+        if not dirty:
+            return 0
+        batch = WriteBatch(raw_mode=True)
+        for full, raw in zip(dirty, self.db.get([_BLOCK + k for k in dirty])):
+            info = self.blocks[full]
+            info.dirty = False
+            if raw is None:
+                continue
+            rec = meta_pb2.BlockRecord.FromString(raw)
+            rec.last_used = info.last_used
+            batch.put(_BLOCK + full, rec.SerializeToString())
+        self.db.write(batch)
+        return len(dirty)
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def expire_blocks(self) -> list[meta_pb2.StoredChunk]:
+        """Removes blocks past their TTL; returns their chunks for deletion."""
+        now = self.clock()
+        expired = [k for k, info in self.blocks.items() if now > info.last_used + info.ttl]
+        return self._drop_blocks(expired, count_as_expired=True)
+
+    def _drop_blocks(self, full_keys: list[bytes], count_as_expired: bool = False) -> list:
+        if not full_keys:
+            return []
+        garbage = []
+        batch = WriteBatch(raw_mode=True)
+        for full, raw in zip(full_keys, self.db.get([_BLOCK + k for k in full_keys])):
+            if raw is not None:
+                garbage += meta_pb2.BlockRecord.FromString(raw).chunks
+            batch.delete(_BLOCK + full)
+            self.blocks.pop(full, None)
+        self.db.write(batch, self._sync)
+        if count_as_expired:
+            self.expired_blocks += len(full_keys)
+        return garbage
+
+    def expire_allocations(self) -> tuple[int, list]:
+        now = self.clock()
+        expired = [a for a, alloc in self.allocations.items() if now > alloc.record.expires_at]
+        garbage = []
+        if expired:
+            batch = WriteBatch(raw_mode=True)
+            for a in expired:
+                garbage += self.allocations.pop(a).record.chunks
+                batch.delete(_ALLOC + a)
+            self.db.write(batch, self._sync)
+        return len(expired), garbage
+
+    def open_allocation_chunks(self) -> set[bytes]:
+        return set().union(*(a.chunk_ids for a in self.allocations.values()))
+
+    def is_referenced(self, chunk_id: bytes, owner: meta_pb2.ChunkOwner | None, open_chunks: set[bytes]) -> bool:
+        """Whether a chunk a server holds belongs to a committed block or an open allocation."""
+        if chunk_id in open_chunks:
+            return True
+        if owner is None:
+            return False
+        raw = self.db.get(_BLOCK + owner.namespace_digest + owner.block_key)
+        if raw is None:
+            return False
+        return any(c.chunk_id == chunk_id for c in meta_pb2.BlockRecord.FromString(raw).chunks)
+
+    def restore_blocks(self, found: dict[bytes, dict]) -> tuple[int, int]:
+        """Rebuild: commits blocks whose every chunk was found on some server.
+
+        `found` maps namespace digest + key to {"owner": ChunkOwner, "chunks":
+        {index: (chunk_id, length, checksum, created, [server ids])}}.
+        """
+        restored = incomplete = 0
+        batch = WriteBatch(raw_mode=True)
+        now = self.clock()
+        for full, entry in found.items():
+            owner, chunks = entry["owner"], entry["chunks"]
+            if full in self.blocks:
+                continue
+            if sorted(chunks) != list(range(owner.chunk_count)):
+                incomplete += 1
+                continue
+            layout = layout_of(owner.layout)
+            spans = layout.chunks(owner.chunk_size or self.cfg.chunk_size)
+            if len(spans) != owner.chunk_count or any(chunks[s.index][1] != s.length for s in spans):
+                incomplete += 1
+                continue
+            rec = meta_pb2.BlockRecord(layout=owner.layout, ttl_class=owner.ttl_class or self.cfg.default_ttl_class,
+                                       created=min(c[3] for c in chunks.values()), last_used=now)
+            for s in spans:
+                cid, length, xxh, _, servers = chunks[s.index]
+                rec.chunks.add(chunk_id=cid, offset=s.offset, length=length, checksum=xxh, servers=servers)
+            batch.put(_BLOCK + full, rec.SerializeToString())
+            self.blocks[full] = BlockInfo(now, self._ttl(rec.ttl_class), layout.payload_bytes)
+            restored += 1
+        self.db.write(batch, self._sync)
+        return restored, incomplete

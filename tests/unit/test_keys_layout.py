@@ -1,0 +1,82 @@
+import hashlib
+import struct
+
+import pytest
+
+from kvfs.keys import Namespace, block_keys
+from kvfs.layout import BlockLayout
+
+NS = Namespace("acme", "deepseek-v2-lite")
+
+
+def test_keys_follow_the_documented_chain():
+    tokens = list(range(100, 100 + 3 * 4 + 2))
+    keys = block_keys(NS, tokens, 4)
+    assert len(keys) == 3  # the trailing partial block has no key
+    prev = NS.root_key()
+    for i, key in enumerate(keys):
+        raw = struct.pack("<4i", *tokens[4 * i : 4 * i + 4])
+        prev = hashlib.blake2b(prev + raw, key=NS.digest, digest_size=16).digest()
+        assert key == prev
+
+
+def test_a_key_names_the_whole_prefix_not_just_its_block():
+    a = block_keys(NS, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = block_keys(NS, [9, 9, 9, 9, 5, 6, 7, 8], 4)
+    assert a[1] != b[1]  # same second block, different first block
+    assert block_keys(NS, [1, 2, 3, 4, 0, 0, 0, 0], 4)[0] == a[0]  # shared first block, same key
+
+
+def test_namespaces_separate_keys():
+    tokens = list(range(64))
+    others = [Namespace("other", "deepseek-v2-lite"), Namespace("acme", "other-model"),
+              Namespace("acme", "deepseek-v2-lite", "mla-fp8")]
+    mine = block_keys(NS, tokens, 16)
+    for ns in others:
+        assert not set(block_keys(ns, tokens, 16)) & set(mine)
+    # fields are length-prefixed: moving a character between fields changes the digest
+    assert Namespace("ab", "c").digest != Namespace("a", "bc").digest
+
+
+def test_token_ids_must_fit_int32():
+    with pytest.raises(ValueError, match="int32"):
+        block_keys(NS, [2**31], 1)
+
+
+def test_mla_layout_sizes_and_layer_aligned_chunks():
+    layout = BlockLayout.mla()
+    assert layout.row_bytes == 576 * 2 and layout.layer_bytes == 64 * 1152
+    assert layout.payload_bytes == 64 * 27 * 576 * 2
+    spans = layout.chunks(1 << 20)
+    assert [(s.first_layer, s.last_layer) for s in spans] == [(0, 13), (14, 26)]
+    assert sum(s.length for s in spans) == layout.payload_bytes
+    assert all(s.length <= 1 << 20 and s.offset % layout.layer_bytes == 0 for s in spans)
+
+
+def test_layers_larger_than_a_chunk_are_cut_into_pieces():
+    layout = BlockLayout(layers=2, block_tokens=4, kv_dim=100, dtype="float32")  # 1600-byte layers
+    spans = layout.chunks(1000)
+    assert [(s.offset, s.length, s.first_layer) for s in spans] == [(0, 1000, 0), (1000, 600, 0),
+                                                                     (1600, 1000, 1), (2600, 600, 1)]
+
+
+def test_scatter_puts_every_byte_in_its_layer_major_place():
+    layout = BlockLayout(layers=5, block_tokens=2, kv_dim=3, dtype="uint8")  # 6-byte layers
+    blocks = 3
+    # payload of block b: byte value encodes (block, layer, position)
+    payloads = [bytes(100 * b + 10 * (i // 6) + i % 6 for i in range(30)) for b in range(blocks)]
+    out = bytearray(layout.prefix_bytes(blocks))
+    for b, payload in enumerate(payloads):
+        for span in layout.chunks(13):  # 2 layers per chunk
+            chunk = payload[span.offset : span.offset + span.length]
+            for src, dst, n in layout.scatter(span, b, blocks):
+                out[dst : dst + n] = chunk[src : src + n]
+    expect = b"".join(payloads[b][6 * layer : 6 * layer + 6] for layer in range(5) for b in range(blocks))
+    assert bytes(out) == expect
+
+
+@pytest.mark.parametrize("kw", [dict(layers=0, block_tokens=1, kv_dim=1), dict(layers=1, block_tokens=1,
+                                                                                kv_dim=1, dtype="complex")])
+def test_bad_layouts_are_refused(kw):
+    with pytest.raises(ValueError):
+        BlockLayout(**kw)
