@@ -1,9 +1,20 @@
 """kvfs.client: the SDK inference workers import.
 
-Today it holds ChunkClient (one chunkserver); the metaserver issue adds Client,
-SyncClient and the restore path on top.
+    from kvfs import Namespace
+    from kvfs.client import Client, SyncClient, BufferPool
+
+Client (asyncio) and SyncClient (blocking) look up the longest cached prefix of a
+prompt, restore it layer by layer into a buffer, and write new blocks back.
+ChunkClient talks to one chunkserver.
 """
 
-from .chunks import ChunkClient, chunk_checksum
+from kvfs.keys import Namespace, block_keys
+from kvfs.layout import BlockLayout
 
-__all__ = ["ChunkClient", "chunk_checksum"]
+from .chunks import ChunkClient, chunk_checksum
+from .client import Client, PrefixMatch, SyncClient, WriteResult
+from .pool import BufferPool
+from .restore import Restore, RestoreStats
+
+__all__ = ["BlockLayout", "BufferPool", "ChunkClient", "Client", "Namespace", "PrefixMatch", "Restore",
+           "RestoreStats", "SyncClient", "WriteResult", "block_keys", "chunk_checksum"]

@@ -6,3 +6,8 @@ kvfs.metaserver, kvfs.client, kvfs.engine.
 """
 
 __version__ = "0.1.0"
+
+from kvfs.keys import Namespace, block_keys  # noqa: E402
+from kvfs.layout import BlockLayout  # noqa: E402
+
+__all__ = ["BlockLayout", "Namespace", "block_keys"]

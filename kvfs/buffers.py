@@ -30,3 +30,19 @@ def aligned_bytearray(n: int, align: int = PAGE) -> bytearray:
     if address_of(buf) % align:
         raise RuntimeError("could not align a bytearray; CPython's resize policy changed")
     return buf
+
+
+def byte_view(buf, writable: bool = True) -> memoryview:
+    """A flat byte view of a buffer: bytes-like, mmap, numpy array, or a
+    contiguous CPU torch tensor (viewed through its data pointer, no copy)."""
+    if hasattr(buf, "data_ptr"):  # torch.Tensor, without importing torch here
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("tensor buffers must be contiguous and in host memory")
+        nbytes = buf.numel() * buf.element_size()
+        if nbytes == 0:
+            return memoryview(bytearray())
+        return memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise ValueError("the destination buffer is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

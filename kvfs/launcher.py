@@ -125,3 +125,113 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
     args += extra or []
     return start_server(server_id, "kvfs.chunkserver", args,
                         pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env)
+
+
+def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0", replicas: int | None = None,
+                     extra: list[str] | None = None, run_dir: str | os.PathLike | None = None,
+                     timeout: float = 30, env: dict[str, str] | None = None) -> ServerProcess:
+    """Starts `kvfs-metaserver` in its own process; returns once it serves."""
+    data_dir = pathlib.Path(data_dir)
+    args = ["--data-dir", str(data_dir), "--listen", listen]
+    if replicas is not None:
+        args += ["--replicas", str(replicas)]
+    args += extra or []
+    return start_server("metaserver", "kvfs.metaserver", args,
+                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env)
+
+
+def meta_status(address: str, timeout: float = 5):
+    from kvfs.proto import meta_pb2, meta_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return meta_pb2_grpc.MetaServiceStub(channel).Status(meta_pb2.StatusRequest(), timeout=timeout)
+
+
+class LocalCluster:
+    """A metaserver and N chunkservers as separate local processes, each
+    chunkserver in its own failure domain (host-0, host-1, ...).
+
+    >>> with LocalCluster("/tmp/kvfs", chunkservers=3, replicas=2) as cluster:
+    ...     client = Client(cluster.meta_address)
+    """
+
+    def __init__(self, root: str | os.PathLike, *, chunkservers: int = 3, replicas: int = 2,
+                 capacity: str = "4GiB", meta_extra: list[str] | None = None,
+                 chunk_extra: list[str] | None = None, env: dict[str, str] | None = None):
+        self.root = pathlib.Path(root)
+        self.n = chunkservers
+        self.replicas = replicas
+        self.capacity = capacity
+        self.meta_extra = list(meta_extra or [])
+        self.chunk_extra = list(chunk_extra or [])
+        self.env = env
+        self.meta: ServerProcess | None = None
+        self.chunkservers: list[ServerProcess | None] = [None] * chunkservers
+
+    @property
+    def meta_address(self) -> str:
+        assert self.meta is not None, "cluster not started"
+        return self.meta.address
+
+    def start(self, timeout: float = 60) -> LocalCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.start_metaserver(timeout=timeout)
+            for i in range(self.n):
+                self.start_chunkserver(i, wait=False, timeout=timeout)
+            self.wait_live(self.n, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_metaserver(self, timeout: float = 30) -> ServerProcess:
+        """(Re)starts the metaserver, on the same address as before if it had one."""
+        listen = self.meta.address if self.meta else "127.0.0.1:0"
+        self.meta = start_metaserver(self.root / "metaserver", listen=listen, replicas=self.replicas,
+                                     extra=self.meta_extra, run_dir=self.root, timeout=timeout, env=self.env)
+        return self.meta
+
+    def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
+        """(Re)starts chunkserver i on its data folder and, by default, waits until
+        the metaserver sees it live."""
+        old = self.chunkservers[i]
+        listen = old.address if old else "127.0.0.1:0"
+        cs = start_chunkserver(self.root / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}",
+                               capacity=self.capacity, listen=listen, run_dir=self.root, timeout=timeout,
+                               extra=["--meta", self.meta_address, *self.chunk_extra], env=self.env)
+        self.chunkservers[i] = cs
+        if wait:
+            self.wait_until(lambda st: any(s.id == f"cs-{i}" and s.live and s.heartbeat_age_s < 1
+                                           for s in st.servers), timeout, f"cs-{i} live")
+        return cs
+
+    def wait_until(self, condition, timeout: float = 30, what: str = "cluster condition"):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = meta_status(self.meta_address)
+                if condition(status):
+                    return status
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.05)
+
+    def wait_live(self, n: int, timeout: float = 30):
+        return self.wait_until(lambda st: sum(s.live for s in st.servers) >= n and st.chains > 0,
+                               timeout, f"{n} live chunkservers")
+
+    def processes(self) -> list[ServerProcess]:
+        return [p for p in [self.meta, *self.chunkservers] if p is not None]
+
+    def stop(self) -> None:
+        for p in reversed(self.processes()):
+            p.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

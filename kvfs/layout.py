@@ -81,15 +81,25 @@ class BlockLayout:
                                            layer, layer))
         return spans
 
-    def prefix_bytes(self, blocks: int) -> int:
-        """Bytes of a `[layer][blocks * block_tokens][kv_dim]` buffer."""
-        return blocks * self.payload_bytes
+    def buffer_bytes(self, tokens: int) -> int:
+        """Bytes of a `[layer][tokens][kv_dim]` buffer."""
+        return self.layers * tokens * self.row_bytes
 
-    def scatter(self, span: ChunkSpan, block: int, blocks: int) -> list[tuple[int, int, int]]:
-        """Where a chunk's bytes go in a `[layer][blocks * block_tokens][kv_dim]` buffer:
-        (offset in chunk, offset in buffer, length) pieces, one per layer it touches."""
+    def span_of(self, offset: int, length: int, index: int = 0) -> ChunkSpan:
+        """The span of payload bytes [offset, offset + length) (a chunk as metadata lists it)."""
+        if offset < 0 or length <= 0 or offset + length > self.payload_bytes:
+            raise ValueError(f"chunk [{offset}, {offset + length}) is outside a {self.payload_bytes}-byte block")
+        return ChunkSpan(index, offset, length, offset // self.layer_bytes,
+                         (offset + length - 1) // self.layer_bytes)
+
+    def scatter(self, span: ChunkSpan, block: int, buffer_tokens: int) -> list[tuple[int, int, int]]:
+        """Where a chunk's bytes go in a `[layer][buffer_tokens][kv_dim]` buffer:
+        (offset in chunk, offset in buffer, length) pieces, one per layer it touches.
+        Read backwards, the same pieces gather a chunk out of such a buffer."""
+        if (block + 1) * self.block_tokens > buffer_tokens:
+            raise ValueError(f"block {block} does not fit a buffer of {buffer_tokens} tokens")
         pieces = []
-        stride = blocks * self.layer_bytes  # one layer of the whole prefix
+        stride = buffer_tokens * self.row_bytes  # one layer of the whole buffer
         pos = span.offset
         end = span.offset + span.length
         while pos < end:

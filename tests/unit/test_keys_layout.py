@@ -65,14 +65,19 @@ def test_scatter_puts_every_byte_in_its_layer_major_place():
     blocks = 3
     # payload of block b: byte value encodes (block, layer, position)
     payloads = [bytes(100 * b + 10 * (i // 6) + i % 6 for i in range(30)) for b in range(blocks)]
-    out = bytearray(layout.prefix_bytes(blocks))
+    tokens = blocks * 2 + 1  # a buffer may hold more tokens than full blocks
+    out = bytearray(layout.buffer_bytes(tokens))
     for b, payload in enumerate(payloads):
         for span in layout.chunks(13):  # 2 layers per chunk
+            assert layout.span_of(span.offset, span.length, span.index) == span
             chunk = payload[span.offset : span.offset + span.length]
-            for src, dst, n in layout.scatter(span, b, blocks):
+            for src, dst, n in layout.scatter(span, b, tokens):
                 out[dst : dst + n] = chunk[src : src + n]
-    expect = b"".join(payloads[b][6 * layer : 6 * layer + 6] for layer in range(5) for b in range(blocks))
+    expect = b"".join(b"".join(payloads[b][6 * layer : 6 * layer + 6] for b in range(blocks)) + b"\0\0\0"
+                      for layer in range(5))
     assert bytes(out) == expect
+    with pytest.raises(ValueError):
+        layout.scatter(layout.chunks(13)[0], blocks, tokens)
 
 
 @pytest.mark.parametrize("kw", [dict(layers=0, block_tokens=1, kv_dim=1), dict(layers=1, block_tokens=1,

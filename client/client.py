@@ -1,0 +1,262 @@
+"""Client and SyncClient: what an inference worker uses to find, restore and
+write back KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvfs.buffers import byte_view
+from kvfs.errors import InvalidArgument, KvfsError, from_rpc_error
+from kvfs.keys import Namespace, block_keys
+from kvfs.layout import BlockLayout
+from kvfs.proto import meta_pb2, meta_pb2_grpc
+from kvfs.rpc import CHANNEL_OPTIONS
+
+from .chunks import ChunkClient, chunk_checksum
+from .restore import Restore
+
+
+def _ns(namespace: Namespace) -> meta_pb2.Namespace:
+    return meta_pb2.Namespace(tenant=namespace.tenant, model=namespace.model,
+                              cache_format=namespace.cache_format)
+
+
+def _layout_msg(layout: BlockLayout) -> meta_pb2.BlockLayout:
+    return meta_pb2.BlockLayout(layers=layout.layers, block_tokens=layout.block_tokens,
+                                kv_dim=layout.kv_dim, dtype=layout.dtype)
+
+
+@dataclass
+class PrefixMatch:
+    """The longest cached prefix of a prompt and where its chunks are.
+
+    `matched` blocks (`tokens` tokens) are cached, out of `len(keys)` full blocks
+    in the prompt. `blocks` and `servers` come straight from the metaserver, so a
+    restore needs no further metadata call.
+    """
+
+    namespace: Namespace
+    keys: list[bytes]
+    matched: int
+    block_tokens: int
+    blocks: list = field(repr=False)
+    servers: list[str] = field(repr=False)
+    lookup_seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.matched * self.block_tokens
+
+    @property
+    def layout(self) -> BlockLayout | None:
+        if not self.blocks:
+            return None
+        m = self.blocks[0].layout
+        return BlockLayout(m.layers, m.block_tokens, m.kv_dim, m.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.length for b in self.blocks for c in b.chunks)
+
+
+@dataclass
+class WriteResult:
+    committed: int
+    already_present: int
+    bytes_written: int  # payload bytes, counted once (not per replica)
+    seconds: float
+
+
+class Client:
+    """The kvfs SDK, on asyncio (grpc.aio).
+
+    >>> client = Client("127.0.0.1:7000")
+    >>> match = await client.lookup(ns, token_ids)           # one MatchPrefix RPC
+    >>> restore = client.read(match, out)                    # starts reading at once
+    >>> async for layer in restore: ...                      # layers arrive in order
+    >>> await client.write(ns, token_ids, kv, layout)        # allocate, write replicas, commit
+
+    Buffers (`out` for reads, `payload` for writes) are laid out
+    `[layer][tokens][kv_dim]` in the cache dtype: a bytearray, mmap, numpy array
+    or contiguous CPU torch tensor (see BufferPool for pinned ones).
+    """
+
+    def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
+                 read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0):
+        self.metaserver = metaserver
+        self.block_tokens = block_tokens
+        self.per_server_reads = per_server_reads
+        self.read_batch = read_batch
+        self.write_concurrency = write_concurrency
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(metaserver, options=CHANNEL_OPTIONS)
+        self._meta = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self._chunk_clients: dict[str, ChunkClient] = {}
+
+    async def close(self) -> None:
+        for c in self._chunk_clients.values():
+            await c.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def chunkserver(self, address: str) -> ChunkClient:
+        """The pooled client of one chunkserver (one channel per address)."""
+        client = self._chunk_clients.get(address)
+        if client is None:
+            client = self._chunk_clients[address] = ChunkClient(address)
+        return client
+
+    async def _meta_call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, f"metaserver {self.metaserver}") from None
+
+    async def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of `token_ids` (whole blocks, exact from token 0)."""
+        keys = block_keys(namespace, token_ids, self.block_tokens)
+        t0 = time.perf_counter()
+        reply = await self._meta_call(self._meta.MatchPrefix,
+                                      meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
+        return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, list(reply.blocks),
+                           [s.address for s in reply.servers], time.perf_counter() - t0)
+
+    def read(self, match: PrefixMatch, out, *, layers: Iterable[int] | None = None, blocks: int | None = None,
+             buffer_tokens: int | None = None) -> Restore:
+        """Starts restoring `match` into `out` and returns at once.
+
+        `out` is `[layer][buffer_tokens][kv_dim]` (buffer_tokens defaults to the
+        matched tokens); `layers` restricts the restore to some layers, `blocks`
+        to the first blocks. Await `restore.layer_ready(l)` or iterate the
+        restore to consume layers as they land; `await restore.wait()` for stats.
+        """
+        if match.matched == 0:
+            raise InvalidArgument("nothing matched: there is nothing to read")
+        return Restore(self.chunkserver, match, out, layers, blocks, buffer_tokens,
+                       self.per_server_reads, self.read_batch)
+
+    async def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,
+                    ttl_class: str = "", *, first_block: int = 0, buffer_tokens: int | None = None) -> WriteResult:
+        """Writes the full blocks of `token_ids` from `first_block` on.
+
+        `payload` is `[layer][buffer_tokens][kv_dim]` holding at least every full
+        block of the prompt. Each chunk goes to every replica; the blocks are
+        committed only once all are durable. A replica failure raises, naming
+        the server, and leaves the blocks uncommitted (their chunks are garbage
+        collected). Blocks someone else committed first are left as they are.
+        """
+        if layout.block_tokens != self.block_tokens:
+            raise InvalidArgument(f"layout has {layout.block_tokens}-token blocks, client {self.block_tokens}")
+        t0 = time.perf_counter()
+        keys = block_keys(namespace, token_ids, self.block_tokens)
+        tokens = buffer_tokens or len(keys) * self.block_tokens
+        src = byte_view(payload, writable=False)
+        if len(src) < layout.buffer_bytes(tokens) or tokens < len(keys) * self.block_tokens:
+            raise InvalidArgument(f"payload holds {len(src)} bytes; {len(keys)} blocks in a "
+                                  f"{tokens}-token buffer need {layout.buffer_bytes(tokens)}")
+        if first_block >= len(keys):
+            return WriteResult(0, 0, 0, 0.0)
+        alloc = await self._meta_call(self._meta.AllocateBlocks, meta_pb2.AllocateBlocksRequest(
+            namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout)))
+        limit = asyncio.Semaphore(self.write_concurrency)
+        commit = meta_pb2.CommitBlocksRequest(namespace=_ns(namespace), allocation_id=alloc.allocation_id,
+                                              ttl_class=ttl_class)
+        jobs, written = [], 0
+        for i, block in enumerate(alloc.blocks):
+            if block.already_present:
+                continue
+            b = first_block + i
+            entry = commit.blocks.add(key=block.key)
+            for placement in block.chunks:
+                span = layout.span_of(placement.offset, placement.length)
+                chunk = bytearray(span.length)
+                for s, d, n in layout.scatter(span, b, tokens):
+                    chunk[s : s + n] = src[d : d + n]
+                xxh = chunk_checksum(chunk)
+                entry.chunk_checksums.append(xxh)
+                owner = meta_pb2.ChunkOwner(namespace_digest=namespace.digest, block_key=block.key,
+                                            chunk_index=len(entry.chunk_checksums) - 1,
+                                            chunk_count=len(block.chunks), layout=_layout_msg(layout),
+                                            ttl_class=ttl_class, chunk_size=alloc.chunk_size).SerializeToString()
+                for address in placement.addresses:
+                    jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh))
+                written += span.length
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            err = failures[0]
+            if isinstance(err, KvfsError):
+                raise type(err)(f"write-back of {len(commit.blocks)} blocks failed, nothing committed: "
+                                f"{err.message}")
+            raise err
+        reply = await self._meta_call(self._meta.CommitBlocks, commit)
+        already = sum(b.already_present for b in alloc.blocks) + reply.already_present
+        return WriteResult(reply.committed, already, written, time.perf_counter() - t0)
+
+    async def _write_chunk(self, limit, address, chunk_id, data, owner, xxh) -> None:
+        async with limit:
+            await self.chunkserver(address).write(chunk_id, data, owner=owner, checksum=xxh, timeout=self.timeout)
+
+    async def status(self) -> meta_pb2.StatusReply:
+        """Servers, liveness, capacity, blocks and bytes, as the metaserver sees them."""
+        return await self._meta_call(self._meta.Status, meta_pb2.StatusRequest())
+
+
+class SyncClient:
+    """Client's blocking twin, for synchronous callers: it runs its own event
+    loop in a thread. Same methods; `read` blocks until the restore is complete
+    and returns its RestoreStats (use Client for layer-by-layer consumption)."""
+
+    def __init__(self, metaserver: str, **options):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvfs-client", daemon=True)
+        self._thread.start()
+        self._client: Client = self._run(self._make(metaserver, options))
+
+    @staticmethod
+    async def _make(metaserver, options) -> Client:
+        return Client(metaserver, **options)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixMatch:
+        return self._run(self._client.lookup(namespace, token_ids))
+
+    def read(self, match: PrefixMatch, out, **kw):
+        async def go():
+            return await self._client.read(match, out, **kw).wait()
+
+        return self._run(go())
+
+    def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,
+              ttl_class: str = "", **kw) -> WriteResult:
+        return self._run(self._client.write(namespace, token_ids, payload, layout, ttl_class, **kw))
+
+    def status(self) -> meta_pb2.StatusReply:
+        return self._run(self._client.status())
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._run(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""The restore path: every chunk of a matched prefix, read in parallel from all
+chunkservers straight into the caller's buffer, delivered layer by layer.
+
+Chunks are cut at layer boundaries (kvfs/layout.py), so a chunk holds whole
+layers of one block. Reads are ordered by first layer, then block, so layer 0
+of every block is requested first; each server gets up to `per_server` batched
+ReadChunks calls in flight, each of up to `batch` chunks. Layer l is ready when
+every chunk holding layers <= l has landed, so readiness arrives in order. A
+chunk whose server fails, or that comes back NOT_FOUND or DATA_LOSS, is read
+again from another replica; only when every replica failed does the restore fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvfs.buffers import byte_view
+from kvfs.errors import InvalidArgument, KvfsError, Unavailable, from_code
+from kvfs.layout import BlockLayout, ChunkSpan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Item:
+    block: int
+    chunk_id: bytes
+    span: ChunkSpan
+    read_offset: int  # within the chunk
+    read_length: int
+    pieces: list[tuple[int, int, int]]  # (offset in the read, offset in out, length)
+    layers: list[int]
+    replicas: list[str]  # addresses, in preference order
+    tried: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    bytes: int = 0
+    chunks: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+    per_server: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class Restore:
+    """A restore in progress. `await r.layer_ready(l)` returns once layers 0..l
+    are in the buffer; `async for l in r` yields layers in order; `await r.wait()`
+    returns RestoreStats once everything is in, or raises why it could not be."""
+
+    def __init__(self, clients, match, out, layers: Iterable[int] | None, blocks: int | None,
+                 buffer_tokens: int | None, per_server: int, batch: int):
+        self.layout: BlockLayout = match.layout
+        self.blocks = match.matched if blocks is None else min(blocks, match.matched)
+        layout = self.layout
+        self.layers = sorted(set(range(layout.layers) if layers is None else layers))
+        if any(not 0 <= l < layout.layers for l in self.layers):
+            raise InvalidArgument(f"layers must be within 0..{layout.layers - 1}")
+        tokens = buffer_tokens or self.blocks * layout.block_tokens
+        self._out = byte_view(out)
+        if len(self._out) < layout.buffer_bytes(tokens):
+            raise InvalidArgument(f"destination holds {len(self._out)} bytes; {self.blocks} blocks of "
+                                  f"{tokens} tokens need {layout.buffer_bytes(tokens)}")
+        self._clients = clients
+        self._per_server = per_server
+        self._batch = batch
+        self.stats = RestoreStats()
+        wanted = set(self.layers)
+        self._remaining = collections.Counter()
+        self._events = {l: asyncio.Event() for l in self.layers}
+        self._error: KvfsError | None = None
+        self._queues: dict[str, collections.deque[_Item]] = collections.defaultdict(collections.deque)
+        self._load: dict[str, int] = collections.defaultdict(int)
+        self._workers: dict[str, int] = collections.defaultdict(int)
+        self._tasks: set[asyncio.Task] = set()
+        self._pending = 0
+        self._done = asyncio.Event()
+        self._started = time.perf_counter()
+        items = []
+        for b, block in enumerate(match.blocks[: self.blocks]):
+            blayout = BlockLayout(block.layout.layers, block.layout.block_tokens, block.layout.kv_dim,
+                                  block.layout.dtype)
+            if blayout != layout:
+                raise InvalidArgument(f"block {b} has layout {blayout}, block 0 has {layout}")
+            for c in block.chunks:
+                span = layout.span_of(c.offset, c.length)
+                need = [l for l in range(span.first_layer, span.last_layer + 1) if l in wanted]
+                if not need:
+                    continue
+                lo = max(span.offset, need[0] * layout.layer_bytes)
+                hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
+                sub = layout.span_of(lo, hi - lo)
+                pieces = layout.scatter(sub, b, tokens)
+                items.append(_Item(b, c.chunk_id, span, lo - span.offset, hi - lo, pieces, need,
+                                   [match.servers[i] for i in c.replicas]))
+                self._remaining.update(need)
+        items.sort(key=lambda it: (it.layers[0], it.block))
+        self._ready_upto = 0  # index into self.layers of the first layer not yet ready
+        self._advance()
+        for it in items:
+            self._enqueue(it)
+        if not items:
+            self._finish()
+
+    # ---- scheduling ------------------------------------------------------
+
+    def _enqueue(self, item: _Item) -> None:
+        choices = [a for a in item.replicas if a not in item.tried]
+        if not choices:
+            self._fail(Unavailable(f"chunk {item.chunk_id.hex()[:16]} of block {item.block}: every replica "
+                                   f"failed ({', '.join(sorted(item.tried))})"))
+            return
+        server = min(choices, key=lambda a: (self._load[a], item.replicas.index(a)))
+        self._load[server] += item.read_length
+        self._queues[server].append(item)
+        self._pending += 1
+        if self._workers[server] < self._per_server:
+            self._workers[server] += 1
+            task = asyncio.get_running_loop().create_task(self._worker(server))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _worker(self, server: str) -> None:
+        queue = self._queues[server]
+        try:
+            while queue and self._error is None:
+                batch = [queue.popleft() for _ in range(min(self._batch, len(queue)))]
+                await self._read_batch(server, batch)
+        finally:
+            self._workers[server] -= 1
+
+    async def _read_batch(self, server: str, batch: list[_Item]) -> None:
+        client = self._clients(server)
+        try:
+            results = await client.read([(it.chunk_id, it.read_offset, it.read_length) for it in batch])
+        except KvfsError as err:
+            log.warning("restore: %s failed (%s); reading its %d chunks from other replicas",
+                        server, err.message, len(batch))
+            results = [err] * len(batch)
+        for it, res in zip(batch, results):
+            self._pending -= 1
+            self._load[server] -= it.read_length
+            if isinstance(res, KvfsError) or res.code:
+                err = res if isinstance(res, KvfsError) else from_code(res.code, res.message)
+                if not isinstance(res, KvfsError):
+                    log.warning("restore: chunk %s on %s: %s; trying another replica",
+                                it.chunk_id.hex()[:16], server, err.message)
+                it.tried.add(server)
+                self.stats.retries += 1
+                self._enqueue(it)
+                continue
+            data = memoryview(res.data)
+            if len(data) != it.read_length:
+                it.tried.add(server)
+                self.stats.retries += 1
+                log.warning("restore: %s returned %d bytes for a %d-byte range", server, len(data), it.read_length)
+                self._enqueue(it)
+                continue
+            for src, dst, n in it.pieces:
+                self._out[dst : dst + n] = data[src : src + n]
+            self.stats.bytes += it.read_length
+            self.stats.chunks += 1
+            self.stats.per_server[server] += it.read_length
+            self._remaining.subtract(it.layers)
+            self._advance()
+        if self._pending == 0 and self._error is None and self._ready_upto == len(self.layers):
+            self._finish()
+
+    def _advance(self) -> None:
+        while self._ready_upto < len(self.layers) and self._remaining[self.layers[self._ready_upto]] <= 0:
+            self._events[self.layers[self._ready_upto]].set()
+            self._ready_upto += 1
+
+    def _finish(self) -> None:
+        self.stats.seconds = time.perf_counter() - self._started
+        self._done.set()
+
+    def _fail(self, err: KvfsError) -> None:
+        if self._error is None:
+            self._error = err
+            log.warning("restore failed: %s", err.message)
+            for ev in self._events.values():
+                ev.set()
+            self._finish()
+
+    # ---- what callers use ------------------------------------------------
+
+    async def layer_ready(self, layer: int) -> None:
+        """Returns once layers 0..layer (of those requested) are in the buffer."""
+        if layer not in self._events:
+            raise InvalidArgument(f"layer {layer} is not part of this restore")
+        await self._events[layer].wait()
+        if self._error is not None and self.layers.index(layer) >= self._ready_upto:
+            raise self._error
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for layer in self.layers:
+            await self.layer_ready(layer)
+            yield layer
+
+    async def wait(self) -> RestoreStats:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self.stats
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        self._fail(Unavailable("restore cancelled"))
+
