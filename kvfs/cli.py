@@ -1,142 +1,228 @@
-"""`kvfs`: the admin and demo command line."""
+"""`kvfs`: the local cluster, admin commands and the demo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
+import json
+import os
 import pathlib
-import random
+import signal
 import sys
 import tempfile
 import time
 
+import grpc
 from rich.console import Console
 from rich.table import Table
 
-from kvfs.client import ChunkClient
-from kvfs.launcher import start_chunkserver
+from kvfs.errors import KvfsError, from_rpc_error
+from kvfs.launcher import LocalCluster, meta_status
 
-console = Console()
-
-# One MLA block of DeepSeek-V2/V3 shapes: 64 tokens x 27 layers x 576 values x 2 bytes.
-MLA_BLOCK_BYTES = 64 * 27 * 576 * 2
-
-
-def _stat_table(stats) -> Table:
-    table = Table(title="chunkservers")
-    for col in ("id", "domain", "engine", "mode", "chunks", "used", "allocated", "capacity",
-                "reads", "writes", "checksum errors"):
-        table.add_column(col, justify="right" if col not in ("id", "domain", "engine", "mode") else "left")
-    for s in stats:
-        c = s.counters
-        table.add_row(s.server_id, s.failure_domain, s.io_engine, s.io_mode, str(s.chunk_count),
-                      _human(s.used_bytes), _human(s.allocated_bytes), _human(s.capacity_bytes),
-                      str(c.reads), str(c.writes), str(c.checksum_errors))
-    return table
+console = Console(width=None if sys.stdout.isatty() else 120)
+DEFAULT_CLUSTER_DIR = "kvfs-data/cluster"
 
 
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
 
 
-async def _demo(args) -> int:
-    root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-demo-"))
-    console.print(f"[bold]kvfs demo[/]: a local chunkserver in {root}")
-    server = start_chunkserver(root / "cs-1", capacity=args.capacity, run_dir=root)
-    console.print(f"chunkserver cs-1 serving on {server.address} (pid {server.pid}, log {server.log_path})")
+def _status_table(status) -> Table:
+    table = Table(title=f"kvfs: {status.blocks} blocks, {_human(status.block_bytes)}, replicas {status.replicas}, "
+                        f"{status.chains} chains, {status.open_allocations} open allocations")
+    for col in ("server", "address", "domain", "live", "chunks", "used", "capacity", "heartbeat"):
+        table.add_column(col)
+    for s in status.servers:
+        table.add_row(s.id, s.address, s.failure_domain, "yes" if s.live else "[red]NO[/]", str(s.chunk_count),
+                      _human(s.used_bytes), _human(s.capacity_bytes), f"{s.heartbeat_age_s:.1f}s ago")
+    return table
+
+
+def _meta_address(args) -> str:
+    if args.meta:
+        return args.meta
+    state = pathlib.Path(args.data_dir) / "cluster.json"
+    if not state.exists():
+        raise SystemExit(f"no --meta given and no local cluster state in {state}; start one with `kvfs cluster up`")
+    return json.loads(state.read_text())["metaserver"]
+
+
+def _cluster_up(args) -> int:
+    root = pathlib.Path(args.data_dir)
+    cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity=args.capacity)
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster.start()
+    state = root / "cluster.json"
     try:
-        rng = random.Random(args.seed)
-        sizes = [MLA_BLOCK_BYTES if i % 2 == 0 else rng.randint(1, 4 << 20) for i in range(args.chunks)]
-        chunks = {hashlib.blake2b(f"demo-{args.seed}-{i}".encode(), digest_size=16).digest(): rng.randbytes(n)
-                  for i, n in enumerate(sizes)}
-        async with ChunkClient(server.address) as client:
-            t0 = time.perf_counter()
-            sem = asyncio.Semaphore(8)
-
-            async def put(cid, data):
-                async with sem:
-                    return await client.write(cid, data, owner=b"demo")
-
-            created = await asyncio.gather(*(put(c, d) for c, d in chunks.items()))
-            t_write = time.perf_counter() - t0
-            total = sum(sizes)
-            console.print(f"wrote {sum(created)} chunks ({_human(total)}, sizes 1 B to 4 MiB, half of them "
-                          f"one MLA block of {_human(MLA_BLOCK_BYTES)}) in {t_write:.2f}s: "
-                          f"{total / t_write / 1e6:.0f} MB/s, each durable before acknowledged")
-            again = await client.write(next(iter(chunks)), next(iter(chunks.values())))
-            console.print(f"rewrote the first chunk with the same bytes: created={again} (write-once, idempotent)")
-            ids = list(chunks)
-            t0 = time.perf_counter()
-            batches = [ids[i : i + 8] for i in range(0, len(ids), 8)]
-            replies = await asyncio.gather(*(client.read([(c, 0, 0) for c in b]) for b in batches))
-            t_read = time.perf_counter() - t0
-            exact = sum(r.code == 0 and r.data == chunks[c]
-                        for b, rs in zip(batches, replies) for c, r in zip(b, rs))
-            console.print(f"read back {exact}/{len(chunks)} chunks byte-exact in {len(batches)} batched "
-                          f"ReadChunks calls, {t_read:.2f}s: {total / t_read / 1e6:.0f} MB/s, "
-                          f"checksums verified by the server before sending")
-            cid = ids[0]
-            part = await client.read_chunk(cid, 100_000, 65_536)
-            console.print(f"ranged read of 64 KiB at offset 100000: "
-                          f"{'exact' if part == chunks[cid][100_000:165_536] else 'WRONG'}")
-            console.print(_stat_table([await client.stat()]))
-            return 0 if exact == len(chunks) and part == chunks[cid][100_000:165_536] else 1
+        print(f"metaserver {cluster.meta_address}", flush=True)
+        for i, cs in enumerate(cluster.chunkservers):
+            print(f"chunkserver cs-{i} {cs.address} host-{i}", flush=True)
+        state.write_text(json.dumps({"pid": os.getpid(), "metaserver": cluster.meta_address,
+                                     "servers": {p.name: {"address": p.address, "pid": p.pid}
+                                                 for p in cluster.processes()}}))
+        print(f"cluster up ({args.chunkservers} chunkservers, {args.replicas} replicas, data in {root}); "
+              f"Ctrl-C or `kvfs cluster down --data-dir {root}` stops it", flush=True)
+        while not stop:
+            dead = [p.name for p in cluster.processes() if not p.alive()]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                break
+            time.sleep(0.2)
     finally:
-        server.stop()
-        console.print("chunkserver stopped")
+        cluster.stop()
+        state.unlink(missing_ok=True)
+        print("cluster stopped", flush=True)
+    return 0
+
+
+def _cluster_down(args) -> int:
+    state = pathlib.Path(args.data_dir) / "cluster.json"
+    if not state.exists():
+        print(f"no cluster running from {args.data_dir}")
+        return 0
+    info = json.loads(state.read_text())
+    try:
+        os.kill(info["pid"], signal.SIGTERM)
+    except ProcessLookupError:  # the launcher is gone: stop its servers directly
+        for server in info["servers"].values():
+            try:
+                os.kill(server["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        state.unlink(missing_ok=True)
+    deadline = time.monotonic() + 30
+    while state.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("cluster stopped" if not state.exists() else "cluster did not stop within 30s")
+    return 0 if not state.exists() else 1
+
+
+def _demo(args) -> int:
+    from kvfs.demo import make_prompts, run_workload, summary
+
+    root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-demo-"))
+    console.print(f"[bold]kvfs demo[/]: starting a local cluster in {root}")
+    with LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity="8GiB") as cluster:
+        console.print(f"metaserver {cluster.meta_address}")
+        for i, cs in enumerate(cluster.chunkservers):
+            console.print(f"chunkserver cs-{i} {cs.address} (failure domain host-{i})")
+        prompts = make_prompts(args.prompts, args.seed, 64)
+        console.print(f"serving {len(prompts)} prompts from 10 prefix families, {args.concurrency} at a time, "
+                      f"MLA blocks of 64 tokens x 27 layers x 576 values x bf16")
+        t0 = time.perf_counter()
+        stats = asyncio.run(run_workload(cluster.meta_address, prompts, args.concurrency))
+        wall = time.perf_counter() - t0
+        for line in summary(stats, wall):
+            console.print(line)
+        console.print(_status_table(meta_status(cluster.meta_address)))
+    console.print("cluster stopped")
+    return 0 if stats.mismatches == 0 else 1
+
+
+def _admin(args) -> int:
+    from kvfs.proto import meta_pb2, meta_pb2_grpc
+
+    address = _meta_address(args)
+    with grpc.insecure_channel(address) as channel:
+        stub = meta_pb2_grpc.MetaServiceStub(channel)
+        try:
+            if args.cmd == "status":
+                console.print(_status_table(stub.Status(meta_pb2.StatusRequest(), timeout=10)))
+            elif args.cmd == "rebuild":
+                r = stub.Rebuild(meta_pb2.RebuildRequest(), timeout=600)
+                console.print(f"rebuild: {r.chunks_seen} chunks seen, {r.blocks_restored} blocks restored, "
+                              f"{r.blocks_incomplete} incomplete")
+            elif args.cmd == "gc":
+                r = stub.RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=600)
+                console.print(f"lifecycle: {r.expired_allocations} allocations expired, "
+                              f"{r.deleted_chunks} chunks deleted ({r.expired_blocks} blocks expired so far)")
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, address) from None
+    return 0
 
 
 async def _chunk_admin(args) -> int:
+    from kvfs.client import ChunkClient
+
     async with ChunkClient(args.address) as client:
         if args.chunk_cmd == "stat":
-            console.print(_stat_table([await client.stat()]))
-        elif args.chunk_cmd == "ls":
-            table = Table(title=f"chunks on {args.address}")
-            for col in ("chunk id", "length", "xxh3", "created", "owner bytes"):
-                table.add_column(col)
+            s = await client.stat()
+            c = s.counters
+            console.print(f"{s.server_id} ({s.failure_domain}): {s.chunk_count} chunks, {_human(s.used_bytes)} used, "
+                          f"{_human(s.allocated_bytes)} allocated of {_human(s.capacity_bytes)}; "
+                          f"{s.io_engine} reads, {s.io_mode} mode; reads {c.reads}, writes {c.writes}, "
+                          f"deletes {c.deletes}, checksum errors {c.checksum_errors}, "
+                          f"rejected requests {c.rejected_requests}")
+        else:
             n = 0
             async for info in client.list():
                 n += 1
                 if n <= args.limit:
-                    table.add_row(info.chunk_id.hex(), str(info.length), f"{info.checksum:016x}",
-                                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created)),
-                                  str(len(info.owner)))
-            console.print(table)
+                    console.print(f"{info.chunk_id.hex()} {info.length:>10} {info.checksum:016x} "
+                                  f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.created))}")
             console.print(f"{n} chunks" + (f" (first {args.limit} shown)" if n > args.limit else ""))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfs", description="kvfs admin and demo commands.")
+    parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: local cluster, admin and demo.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="start a local chunkserver and round-trip chunks through it")
-    demo.add_argument("--chunks", type=int, default=64)
+
+    cluster = sub.add_parser("cluster", help="a local cluster: metaserver and chunkservers as processes")
+    csub = cluster.add_subparsers(dest="cluster_cmd", required=True)
+    up = csub.add_parser("up", help="start it and stay in the foreground until Ctrl-C")
+    up.add_argument("--chunkservers", type=int, default=3)
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--capacity", default="10GiB", help="per chunkserver")
+    down = csub.add_parser("down", help="stop a cluster started with `kvfs cluster up`")
+    for p in (up, down):
+        p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR)
+
+    for name, text in (("status", "servers, liveness, capacity, blocks, bytes"),
+                       ("rebuild", "rebuild block metadata from chunkserver inventories"),
+                       ("gc", "run expiry and garbage collection now")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--meta", help="metaserver host:port (default: the local cluster's)")
+        p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR, help="local cluster folder")
+
+    demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
+    demo.add_argument("--prompts", type=int, default=200)
+    demo.add_argument("--concurrency", type=int, default=4)
+    demo.add_argument("--chunkservers", type=int, default=3)
+    demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--seed", type=int, default=1)
-    demo.add_argument("--capacity", default="2GiB")
-    demo.add_argument("--data-dir", help="keep data here (default: a new temporary folder)")
+    demo.add_argument("--data-dir", help="keep cluster data here (default: a new temporary folder)")
+
     chunk = sub.add_parser("chunk", help="inspect one chunkserver")
     chunk_sub = chunk.add_subparsers(dest="chunk_cmd", required=True)
     for name, text in (("stat", "capacity, usage and I/O counters"), ("ls", "list stored chunks")):
         p = chunk_sub.add_parser(name, help=text)
         p.add_argument("address", help="host:port of the chunkserver")
         p.add_argument("--limit", type=int, default=50, help="rows to show (ls)")
+
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "cluster":
+            return _cluster_up(args) if args.cluster_cmd == "up" else _cluster_down(args)
         if args.cmd == "demo":
-            return asyncio.run(_demo(args))
-        return asyncio.run(_chunk_admin(args))
-    except Exception as err:  # a clear one-line error for operators
-        from kvfs.errors import KvfsError
-
-        if isinstance(err, KvfsError):
-            console.print(f"[red]error[/]: {err.message}")
-            return 1
-        raise
+            return _demo(args)
+        if args.cmd == "chunk":
+            return asyncio.run(_chunk_admin(args))
+        return _admin(args)
+    except KvfsError as err:  # one clear line for operators
+        console.print(f"[red]error[/]: {err.message}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,23 +4,10 @@ stopped at teardown whatever the test did."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from kvfs.launcher import ServerProcess, start_chunkserver
-
-
-def wait_until(condition, timeout: float = 10, interval: float = 0.02, what: str = "condition"):
-    """Polls `condition` until it returns a truthy value or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture
@@ -39,16 +26,27 @@ def chunkservers(tmp_path):
         server.stop()
 
 
-def random_bytes(n: int, seed: int) -> bytes:
-    import random
+def pytest_report_header(config):
+    return f"kvfs tests, pid {os.getpid()}"
 
-    return random.Random(seed).randbytes(n)
+
+FAST_META = ["--heartbeat-interval", "200ms", "--heartbeat-timeout", "3s", "--lifecycle-interval", "1h"]
 
 
 @pytest.fixture
-def rng_bytes():
-    return random_bytes
+def local_cluster(tmp_path):
+    """Factory: local_cluster(chunkservers=3, replicas=2, meta_extra=[...]) starts a
+    LocalCluster (the launcher `kvfs cluster up` uses); all of it stops at teardown."""
+    from kvfs.launcher import LocalCluster
 
+    clusters = []
 
-def pytest_report_header(config):
-    return f"kvfs tests, pid {os.getpid()}"
+    def start(chunkservers: int = 3, replicas: int = 2, meta_extra=(), **kw) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster-{len(clusters)}", chunkservers=chunkservers, replicas=replicas,
+                               capacity=kw.pop("capacity", "2GiB"), meta_extra=FAST_META + list(meta_extra), **kw)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()

@@ -1,17 +1,63 @@
-"""The README's main job, as users run it."""
+"""The README's main job and the local cluster commands, as users run them."""
 
-import pathlib
+import json
+import os
 import subprocess
 import sys
 
+from helpers import wait_until
 
-def test_demo_round_trips_chunks_through_a_real_chunkserver(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "kvfs.cli", "demo", "--chunks", "12",
-                           "--data-dir", str(tmp_path / "demo")],
-                          capture_output=True, text=True, timeout=120)
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+
+
+def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
+    proc = subprocess.run([*KVFS, "demo", "--prompts", "24", "--data-dir", str(tmp_path / "demo")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "read back 12/12 chunks byte-exact" in proc.stdout
-    assert "created=False" in proc.stdout
-    assert "chunkserver stopped" in proc.stdout
-    # it left data behind in the folder it was given, in slot files
-    assert list(pathlib.Path(tmp_path / "demo" / "cs-1" / "slots").glob("*/*.slots"))
+    out = proc.stdout
+    assert "prompts served: 24" in out
+    assert "restored bytes checked: all exact" in out
+    hit = float(out.split("hit ratio: ")[1].split("%")[0])
+    assert 0 < hit < 100
+    assert "cluster stopped" in out
+    for i in range(3):  # every chunkserver took part
+        assert list((tmp_path / "demo" / f"cs-{i}" / "slots").glob("*/*.slots"))
+
+
+def test_cluster_up_status_down(tmp_path):
+    data = tmp_path / "cluster"
+    up = subprocess.Popen([*KVFS, "cluster", "up", "--chunkservers", "2", "--replicas", "2",
+                           "--data-dir", str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("cluster up"):
+            line = up.stdout.readline()
+            assert line, "kvfs cluster up exited early:\n" + "".join(lines)
+            lines.append(line)
+        assert lines[0].startswith("metaserver 127.0.0.1:")
+        assert [l.split()[:2] for l in lines[1:3]] == [["chunkserver", "cs-0"], ["chunkserver", "cs-1"]]
+        pids = [s["pid"] for s in json.loads((data / "cluster.json").read_text())["servers"].values()]
+        status = subprocess.run([*KVFS, "status", "--data-dir", str(data)], capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count(" yes ") == 2
+        down = subprocess.run([*KVFS, "cluster", "down", "--data-dir", str(data)], capture_output=True,
+                              text=True, timeout=60)
+        assert down.returncode == 0 and "cluster stopped" in down.stdout
+        assert up.wait(timeout=30) == 0
+
+        def all_gone():
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                    return False
+                except ProcessLookupError:
+                    pass
+            return True
+
+        wait_until(all_gone, 10, "every server process to exit")
+        assert not (data / "cluster.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

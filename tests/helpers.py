@@ -1,0 +1,28 @@
+"""Helpers the test suites share (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import time
+
+
+def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
+    """Polls `condition` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def layer_major(layout, block_payloads: list[bytes], tokens: int | None = None) -> bytearray:
+    """Lays block payloads out `[layer][tokens][kv_dim]`, as restores deliver them."""
+    tokens = tokens or len(block_payloads) * layout.block_tokens
+    buf = bytearray(layout.buffer_bytes(tokens))
+    whole = layout.span_of(0, layout.payload_bytes)
+    for b, payload in enumerate(block_payloads):
+        for src, dst, n in layout.scatter(whole, b, tokens):
+            buf[dst : dst + n] = payload[src : src + n]
+    return buf

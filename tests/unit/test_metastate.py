@@ -1,0 +1,174 @@
+"""MetaState in-process with an injectable clock: RocksDB on disk, no sockets."""
+
+import pytest
+
+from kvfs.config import MetaserverConfig
+from kvfs.errors import InvalidArgument, NotFound, Unavailable
+from kvfs.keys import Namespace, block_keys
+from kvfs.layout import BlockLayout
+from kvfs.metaserver.state import MetaState
+from kvfs.proto import meta_pb2
+
+NS = Namespace("t", "m")
+LAYOUT = BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
+LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def make_state(tmp_path):
+    states = []
+
+    def make(clock=None, **kw):
+        kw.setdefault("heartbeat_timeout", 1e9)  # servers stay live unless a test says otherwise
+        cfg = MetaserverConfig(data_dir=str(tmp_path / "meta"), chunk_size=64 * 1024,
+                               ttl_classes="short=10s,chat=7d", **kw)
+        state = MetaState(cfg, clock or Clock())
+        for i in range(3):
+            state.register(meta_pb2.RegisterRequest(server_id=f"cs-{i}", address=f"127.0.0.1:{9000 + i}",
+                                                    failure_domain=f"host-{i}", capacity_bytes=1 << 30))
+        states.append(state)
+        return state
+
+    yield make
+    for s in states:
+        try:
+            s.close()
+        except Exception:
+            pass
+
+
+def write(state, keys, ttl_class="chat"):
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class=ttl_class)
+    for b in alloc.blocks:
+        if not b.already_present:
+            req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
+    return alloc, state.commit(NS.digest, req)
+
+
+def test_match_is_the_longest_present_run_from_block_zero(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(40), 4)
+    write(state, keys[:6])
+    assert state.match(NS.digest, keys).matched == 6
+    assert state.match(NS.digest, keys[:3]).matched == 3
+    other = block_keys(NS, [99] + list(range(1, 40)), 4)  # first block differs: no match at all
+    assert state.match(NS.digest, other).matched == 0
+    assert state.match(Namespace("u", "m").digest, keys).matched == 0  # another namespace sees nothing
+
+
+def test_match_reports_live_replicas_of_every_chunk(make_state):
+    clock = Clock()
+    state = make_state(clock, heartbeat_timeout=5)
+    keys = block_keys(NS, range(32), 4)
+    alloc, _ = write(state, keys)
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 8
+    placed = {c.chunk_id: set(c.servers) for b in alloc.blocks for c in b.chunks}
+    for block in reply.blocks:
+        for c in block.chunks:
+            assert {reply.servers[i].id for i in c.replicas} == placed[c.chunk_id]
+            assert c.checksum == 7 and len(c.replicas) == 2
+    # every server but one goes silent: chunks with no live replica end the match
+    clock.now += 6
+    state.heartbeat(meta_pb2.HeartbeatRequest(server_id="cs-0"))
+    reply = state.match(NS.digest, keys)
+    assert [s.id for s in reply.servers] in ([], ["cs-0"])
+    readable = [all("cs-0" in placed[c.chunk_id] for c in b.chunks) for b in alloc.blocks]
+    expect = readable.index(False) if False in readable else len(readable)
+    assert reply.matched == expect < 8  # stops at the first block with a chunk nobody live holds
+
+
+def test_first_writer_wins_and_the_losers_chunks_are_garbage(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(12), 4)
+    a1 = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    a2 = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    reqs = []
+    for a in (a1, a2):
+        req = meta_pb2.CommitBlocksRequest(allocation_id=a.allocation_id)
+        for b in a.blocks:
+            req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+        reqs.append(req)
+    assert state.commit(NS.digest, reqs[0])[:2] == (3, 0)
+    committed, already, garbage = state.commit(NS.digest, reqs[1])
+    assert (committed, already) == (0, 3)
+    assert {c.chunk_id for c in garbage} == {c.chunk_id for b in a2.blocks for c in b.chunks}
+    again = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    assert all(b.already_present and not b.chunks for b in again.blocks)
+
+
+def test_commit_of_an_unknown_or_expired_allocation_is_refused(make_state):
+    clock = Clock()
+    state = make_state(clock, allocation_timeout=60)
+    keys = block_keys(NS, range(4), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    clock.now += 61
+    n, garbage = state.expire_allocations()
+    assert n == 1 and {c.chunk_id for c in garbage} == {c.chunk_id for c in alloc.blocks[0].chunks}
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    req.blocks.add(key=keys[0], chunk_checksums=[1])
+    with pytest.raises(NotFound, match="expired"):
+        state.commit(NS.digest, req)
+
+
+def test_ttl_hides_blocks_at_once_and_a_hit_refreshes_it(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    alloc, _ = write(state, keys[:1], "short")
+    write(state, keys[1:], "chat")
+    clock.now += 8
+    assert state.match(NS.digest, keys).matched == 2  # refreshes both
+    clock.now += 8
+    assert state.match(NS.digest, keys).matched == 2  # 8 s since the refresh: still alive
+    clock.now += 11
+    assert state.match(NS.digest, keys).matched == 0  # block 0 expired: nothing matches past it
+    garbage = state.expire_blocks()
+    assert {c.chunk_id for c in garbage} == {c.chunk_id for c in alloc.blocks[0].chunks}
+    assert state.expired_blocks == 1 and len(state.blocks) == 1
+
+
+def test_state_survives_reopen_including_refreshed_use(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys, "short")
+    clock.now += 9
+    state.match(NS.digest, keys)
+    state.close()
+    state = make_state(clock)
+    clock.now += 9  # 18 s after commit, 9 s after the refreshed use
+    assert state.match(NS.digest, keys).matched == 2
+
+
+def test_bad_requests_are_invalid(make_state):
+    state = make_state()
+    with pytest.raises(InvalidArgument, match="16 bytes"):
+        state.match(NS.digest, [b"short"])
+    with pytest.raises(InvalidArgument, match="layout"):
+        state.allocate(NS.digest, block_keys(NS, range(4), 4), meta_pb2.BlockLayout(layers=1, block_tokens=4,
+                                                                                   kv_dim=8, dtype="complex64"))
+    alloc = state.allocate(NS.digest, block_keys(NS, range(4), 4), LAYOUT_MSG)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class="forever")
+    req.blocks.add(key=alloc.blocks[0].key, chunk_checksums=[1])
+    with pytest.raises(InvalidArgument, match="TTL class"):
+        state.commit(NS.digest, req)
+
+
+def test_no_chains_without_enough_failure_domains(make_state, tmp_path):
+    cfg = MetaserverConfig(data_dir=str(tmp_path / "solo"), replicas=2)
+    state = MetaState(cfg, Clock())
+    state.register(meta_pb2.RegisterRequest(server_id="a", address="x:1", failure_domain="d", capacity_bytes=1 << 30))
+    state.register(meta_pb2.RegisterRequest(server_id="b", address="x:2", failure_domain="d", capacity_bytes=1 << 30))
+    with pytest.raises(Unavailable, match="failure domains"):
+        state.allocate(NS.digest, block_keys(NS, range(64), 64), LAYOUT_MSG)
+    state.close()
