@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import platform
 import shutil
@@ -43,19 +44,50 @@ def _io(args) -> int:
         table.add_row(r.mode, f"{statistics.median(r.raw_gbps):.2f}", f"{statistics.median(r.grpc_gbps):.2f}",
                       f"{r.ratio:.2f}", f"{r.write_gbps:.2f}")
     console.print(table)
-    report = {
-        "bench": "io",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
-                 "kernel": platform.release()},
+    _write_json(args.json, {
+        "bench": "io", **_host(),
         "config": {"chunks": args.chunks, "chunk_bytes": chunk, "batch": args.batch,
                    "concurrency": args.concurrency, "rounds": args.rounds},
         "results": [r.as_json() for r in results],
-    }
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
-        console.print(f"wrote {args.json}")
+    })
     return 0
+
+
+def _prefix(args) -> int:
+    from .prefix import run_prefix
+
+    root = pathlib.Path(args.data_dir) if args.data_dir else default_root()
+    console.print(f"kvfs-bench prefix: a {args.tokens}-token MLA prefix on {args.chunkservers} local chunkservers, "
+                  f"{args.replicas} replicas, {args.rounds} rounds, data in {root}")
+    try:
+        report = asyncio.run(run_prefix(root, args.tokens, args.rounds, args.lookup_blocks, args.chunkservers,
+                                        args.replicas, log=console.print))
+    finally:
+        if not args.data_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    table = Table(title="one long prefix through the cluster (medians)")
+    for col in ("restore GB/s", "raw io_uring GB/s", "restore / raw", "write-back GB/s",
+                f"MatchPrefix {args.lookup_blocks} blocks p50 ms"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{report['restore_gbps_median']:.2f}", f"{report['raw_gbps_median']:.2f}",
+                  f"{report['restore_over_raw']:.2f}", f"{report['write_gbps']:.2f}",
+                  f"{report['lookup_rpc_ms_p50']:.1f}")
+    console.print(table)
+    _write_json(args.json, {"bench": "prefix", **_host(), "config": {
+        "tokens": args.tokens, "rounds": args.rounds, "lookup_blocks": args.lookup_blocks,
+        "chunkservers": args.chunkservers, "replicas": args.replicas}, "results": report})
+    return 0
+
+
+def _host() -> dict:
+    return {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}}
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        pathlib.Path(path).write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     io.add_argument("--concurrency", type=int, default=16, help="calls in flight")
     io.add_argument("--rounds", type=int, default=5)
     io.add_argument("--modes", default="direct,buffered")
-    io.add_argument("--data-dir", help="where the chunkservers keep data (default: a temp folder, removed)")
-    io.add_argument("--json", help="write the report here")
+    prefix = sub.add_parser("prefix", help="restore and write-back of one long MLA prefix on a local cluster, "
+                                           "beside the raw disk reader; MatchPrefix latency")
+    prefix.add_argument("--tokens", type=int, default=32768)
+    prefix.add_argument("--rounds", type=int, default=3)
+    prefix.add_argument("--lookup-blocks", type=int, default=2000)
+    prefix.add_argument("--chunkservers", type=int, default=3)
+    prefix.add_argument("--replicas", type=int, default=2)
+    for p in (io, prefix):
+        p.add_argument("--data-dir", help="where servers keep data (default: a temp folder, removed)")
+        p.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    return _io(args)
+    return _io(args) if args.cmd == "io" else _prefix(args)
 
 
 if __name__ == "__main__":
