@@ -25,7 +25,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     @handles_errors
     async def WriteChunk(self, request_iterator, context):
         header = None
-        data = bytearray()
+        pieces: list[bytes] = []
+        received = 0
         max_len = self.store.cfg.max_chunk_size
         async for msg in request_iterator:
             if header is None:
@@ -36,15 +37,17 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                     raise InvalidArgument(f"chunk length must be 1..{max_len} bytes, got {header.length}")
             elif msg.HasField("header"):
                 raise InvalidArgument("only the first WriteChunk message may carry a header")
-            if len(data) + len(msg.data) > header.length:
+            received += len(msg.data)
+            if received > header.length:
                 raise InvalidArgument(f"chunk {short_id(header.chunk_id)}: more data than the "
                                       f"{header.length} bytes its header announced")
-            data += msg.data
+            pieces.append(msg.data)
         if header is None:
             raise InvalidArgument("empty WriteChunk stream: no header")
-        if len(data) != header.length:
-            raise InvalidArgument(f"chunk {short_id(header.chunk_id)}: got {len(data)} bytes, "
+        if received != header.length:
+            raise InvalidArgument(f"chunk {short_id(header.chunk_id)}: got {received} bytes, "
                                   f"header announced {header.length}")
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one message: no copy
         created = await self.store.write(header.chunk_id, data, header.checksum, header.owner)
         return chunk_pb2.WriteChunkReply(created=created)
 

@@ -49,9 +49,8 @@ class SlotRef:
 
 @dataclass(slots=True)
 class _File:
-    fd_write: int
-    fd_read: int
-    slots: int
+    fd: int     # buffered: growth (fallocate) and durability (fsync)
+    fd_io: int  # chunk data reads and writes: O_DIRECT in direct mode
 
 
 class SlotAllocator:
@@ -130,8 +129,8 @@ class SlotAllocator:
 
 
 class SlotFiles:
-    """The slot files on disk, with one buffered fd for writes and one read fd
-    (O_DIRECT in direct mode) per file."""
+    """The slot files on disk, each open twice: buffered for growth and fsync,
+    and O_DIRECT (in direct mode) for chunk data."""
 
     def __init__(self, root: pathlib.Path, direct: bool, reserve: int, capacity: int):
         self.root = root
@@ -148,7 +147,7 @@ class SlotFiles:
                 raise RuntimeError(f"slot files in {class_dir} are not numbered 0..n-1: {numbers}")
             for n in numbers:
                 f = self._open(cls, n)
-                self.allocator.add_file(cls, os.fstat(f.fd_write).st_size // cls)
+                self.allocator.add_file(cls, os.fstat(f.fd).st_size // cls)
 
     def path(self, cls: int, file: int) -> pathlib.Path:
         return self.root / f"{cls // KiB}k" / f"{file:05d}.slots"
@@ -157,11 +156,11 @@ class SlotFiles:
         p = self.path(cls, file)
         new = not p.exists()
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd_write = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         if new:
             _fsync_dir(p.parent)
-        fd_read = os.open(p, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
-        f = self._files[(cls, file)] = _File(fd_write, fd_read, 0)
+        fd_io = os.open(p, os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0))
+        f = self._files[(cls, file)] = _File(fd, fd_io)
         return f
 
     def allocate(self, length: int) -> SlotRef:
@@ -185,19 +184,19 @@ class SlotFiles:
                 f"disk full: {st.f_bavail * st.f_frsize} bytes free on {self.root}, another "
                 f"{cls} byte slot would cut into the {self.reserve}-byte reserve kept for the index")
         try:
-            os.posix_fallocate(f.fd_write, slots * cls, add * cls)
+            os.posix_fallocate(f.fd, slots * cls, add * cls)
         except OSError as err:
-            os.ftruncate(f.fd_write, slots * cls)
+            os.ftruncate(f.fd, slots * cls)
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise ResourceExhausted(f"disk full while preallocating {self.path(cls, file)}") from err
             raise
-        os.fsync(f.fd_write)  # the new size must survive a crash before slots in it are indexed
+        os.fsync(f.fd)  # the new size must survive a crash before slots in it are indexed
         return add
 
     def close(self) -> None:
         for f in self._files.values():
-            os.close(f.fd_write)
-            os.close(f.fd_read)
+            os.close(f.fd)
+            os.close(f.fd_io)
         self._files.clear()
 
 
