@@ -59,9 +59,28 @@ def test_every_field_has_a_flag():
     assert (cfg.data_dir, cfg.capacity, cfg.io_engine) == ("/d", GiB, "preadv")
 
 
-def test_shipped_sample_config_loads_with_the_defaults():
+def test_shipped_default_config_is_the_defaults():
     import pathlib
 
+    from kvfs.config import MetaserverConfig
+
     sample = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "kvfs.toml"
-    cfg = load(ChunkserverConfig, "chunkserver", {"config": str(sample)}, {})
-    assert cfg == ChunkserverConfig()
+    assert load(ChunkserverConfig, "chunkserver", {"config": str(sample)}, {}) == ChunkserverConfig()
+    assert load(MetaserverConfig, "metaserver", {"config": str(sample)}, {}) == MetaserverConfig()
+
+
+@pytest.mark.parametrize("text,seconds", [("500ms", 0.5), ("10s", 10), ("5m", 300), ("3d", 259200), ("2", 2)])
+def test_parse_duration(text, seconds):
+    from kvfs.config import parse_duration
+
+    assert parse_duration(text) == seconds
+
+
+def test_ttl_classes_and_default_class_checked():
+    from kvfs.config import MetaserverConfig, parse_ttl_classes
+
+    assert parse_ttl_classes("agent=3d, chat=7d") == {"agent": 259200, "chat": 604800}
+    with pytest.raises(ValueError, match="name=duration"):
+        parse_ttl_classes("agent")
+    with pytest.raises(ValueError, match="default_ttl_class"):
+        MetaserverConfig(ttl_classes="agent=3d")
