@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.config import ChunkserverConfig, add_flags, load
+from kvfs.config import ChunkserverConfig
 from kvfs.proto import chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, write_ready_file
+from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
 from .membership import heartbeat_forever
 from .service import ChunkServicer
@@ -38,11 +36,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
              store.reader.name, store.io_mode)
     write_ready_file(cfg.ready_file, address)
     beats = asyncio.create_task(heartbeat_forever(cfg, store, cfg.advertise or address)) if cfg.meta else None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     log.info("chunkserver %s stopping", cfg.id)
     if beats:
         beats.cancel()
@@ -52,17 +46,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfs-chunkserver", description="Run a kvfs chunkserver.")
-    add_flags(parser, ChunkserverConfig)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load(ChunkserverConfig, "chunkserver", vars(args))
-    except (ValueError, OSError) as err:
-        parser.error(str(err))
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(cfg))
-    return 0
+    return run_server("kvfs-chunkserver", "Run a kvfs chunkserver.", ChunkserverConfig, "chunkserver", serve, argv)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.config import MetaserverConfig, add_flags, load
+from kvfs.config import MetaserverConfig
 from kvfs.proto import meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, write_ready_file
+from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
 from .lifecycle import Lifecycle
 from .service import MetaServicer
@@ -44,11 +42,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever())]
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     log.info("metaserver stopping")
     for t in tasks:
         t.cancel()
@@ -59,17 +53,7 @@ async def serve(cfg: MetaserverConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfs-metaserver", description="Run the kvfs metaserver.")
-    add_flags(parser, MetaserverConfig)
-    args = parser.parse_args(argv)
-    try:
-        cfg = load(MetaserverConfig, "metaserver", vars(args))
-    except (ValueError, OSError) as err:
-        parser.error(str(err))
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(cfg))
-    return 0
+    return run_server("kvfs-metaserver", "Run the kvfs metaserver.", MetaserverConfig, "metaserver", serve, argv)
 
 
 if __name__ == "__main__":

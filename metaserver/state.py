@@ -167,7 +167,7 @@ class MetaState:
 
     # ---- allocation and commit -------------------------------------------
 
-    def _check(self, namespace_digest: bytes, keys: Iterable[bytes], what: str) -> list[bytes]:
+    def _check(self, keys: Iterable[bytes], what: str) -> list[bytes]:
         keys = list(keys)
         if len(keys) > self.cfg.max_keys:
             raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {self.cfg.max_keys}")
@@ -177,7 +177,7 @@ class MetaState:
         return keys
 
     def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg) -> meta_pb2.AllocateBlocksReply:
-        keys = self._check(namespace_digest, keys, "AllocateBlocks")
+        keys = self._check(keys, "AllocateBlocks")
         layout = layout_of(layout_msg)
         self.refresh_liveness()
         live = self.live_servers()
@@ -223,7 +223,7 @@ class MetaState:
         per_block = len(alloc.record.chunks) // max(1, len(alloc.record.keys))
         for i, key in enumerate(alloc.record.keys):
             chunks_by_key[key] = list(alloc.record.chunks[i * per_block : (i + 1) * per_block])
-        keys = self._check(namespace_digest, (b.key for b in req.blocks), "CommitBlocks")
+        keys = self._check((b.key for b in req.blocks), "CommitBlocks")
         unknown = [k for k in keys if k not in chunks_by_key]
         if unknown:
             raise InvalidArgument(f"block {unknown[0].hex()} is not part of this allocation")
@@ -260,7 +260,7 @@ class MetaState:
     # ---- lookup ----------------------------------------------------------
 
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> meta_pb2.MatchPrefixReply:
-        keys = self._check(namespace_digest, keys, "MatchPrefix")
+        keys = self._check(keys, "MatchPrefix")
         reply = meta_pb2.MatchPrefixReply()
         if not keys:
             return reply
