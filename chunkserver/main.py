@@ -14,6 +14,7 @@ from kvfs.proto import chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
+from .dataport import start_data_server
 from .membership import heartbeat_forever
 from .service import ChunkServicer
 from .store import ChunkStore
@@ -23,25 +24,34 @@ log = logging.getLogger("kvfs.chunkserver")
 
 async def serve(cfg: ChunkserverConfig) -> None:
     store = ChunkStore(cfg)
+    host = cfg.listen.rsplit(":", 1)[0]
+    data = start_data_server(cfg.data_listen or f"{host}:0", store) if cfg.data_listen != "off" else None
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    chunk_pb2_grpc.add_ChunkServiceServicer_to_server(ChunkServicer(store), server)
+    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
+    advertised = cfg.advertise or address
+    # the data port is advertised on the same host as gRPC
+    data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
+    chunk_pb2_grpc.add_ChunkServiceServicer_to_server(ChunkServicer(store, data_address), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("kvfs.chunk.ChunkService", health_pb2.HealthCheckResponse.SERVING)
-    log.info("chunkserver %s (%s) serving on %s: data %s, capacity %d bytes, %s reads, %s mode",
-             cfg.id, cfg.failure_domain, address, cfg.data_dir, cfg.capacity,
+    log.info("chunkserver %s (%s) serving on %s (data port %s): data %s, capacity %d bytes, %s reads, %s mode",
+             cfg.id, cfg.failure_domain, address, data_address or "off", cfg.data_dir, cfg.capacity,
              store.reader.name, store.io_mode)
     write_ready_file(cfg.ready_file, address)
-    beats = asyncio.create_task(heartbeat_forever(cfg, store, cfg.advertise or address)) if cfg.meta else None
+    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address))
+             if cfg.meta else None)
     await until_signalled()
     log.info("chunkserver %s stopping", cfg.id)
     if beats:
         beats.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
+    if data:
+        data.shutdown()
+        data.server_close()
     store.close()
 
 

@@ -15,7 +15,7 @@ from .store import ChunkStore
 log = logging.getLogger(__name__)
 
 
-async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str) -> None:
+async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str) -> None:
     """Registers (retrying until the metaserver answers) and heartbeats for ever."""
     async with grpc.aio.insecure_channel(cfg.meta) as channel:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
@@ -25,7 +25,7 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                 if not registered:
                     reply = await stub.Register(meta_pb2.RegisterRequest(
                         server_id=cfg.id, address=address, failure_domain=cfg.failure_domain,
-                        capacity_bytes=cfg.capacity), timeout=10)
+                        capacity_bytes=cfg.capacity, data_address=data_address), timeout=10)
                     interval, registered = reply.heartbeat_interval_s or interval, True
                     log.info("registered with metaserver %s as %s (%s)", cfg.meta, cfg.id, address)
                 stat = store.stat()

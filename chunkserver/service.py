@@ -15,8 +15,9 @@ MAX_PAGE = 10000
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
-    def __init__(self, store: ChunkStore):
+    def __init__(self, store: ChunkStore, data_address: str = ""):
         self.store = store
+        self.data_address = data_address
 
     def on_error(self, err: KvfsError) -> None:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -82,6 +83,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         c = self.store.counters
         return chunk_pb2.StatReply(
             server_id=self.store.cfg.id, failure_domain=self.store.cfg.failure_domain,
+            data_address=self.data_address,
             counters=chunk_pb2.IoCounters(
                 reads=c.reads, read_bytes=c.read_bytes, writes=c.writes, write_bytes=c.write_bytes,
                 deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests),

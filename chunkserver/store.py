@@ -93,6 +93,15 @@ class ReadResult:
     checksum: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedRead:
+    index: int  # position in the request
+    chunk_id: bytes
+    rec: ChunkRecord
+    offset: int
+    length: int
+
+
 @dataclass(slots=True)
 class Counters:
     reads: int = 0
@@ -219,6 +228,7 @@ class ChunkStore:
         self._writing: dict[bytes, asyncio.Future] = {}
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()
+        self._pin_lock = threading.Lock()  # pins are taken by gRPC reads and data-port threads
         self._delete_lock = asyncio.Lock()
 
     def _recover(self) -> None:
@@ -319,51 +329,94 @@ class ChunkStore:
 
     # -- reads -------------------------------------------------------------
 
+    def plan_reads(self, ranges: list[tuple[bytes, int, int]]) -> tuple[list[ReadResult], list[PlannedRead]]:
+        """Validates (chunk id, offset, length) ranges (length 0: to the end) and
+        pins the slots of the good ones. Bad ranges get their error result
+        (NOT_FOUND, OUT_OF_RANGE); a bad request as a whole raises InvalidArgument.
+        Callers must release() the plan. Safe from any thread."""
+        if len(ranges) > self.cfg.max_ranges:
+            raise InvalidArgument(f"{len(ranges)} ranges in one read; at most {self.cfg.max_ranges}")
+        results = [ReadResult() for _ in ranges]
+        plan: list[PlannedRead] = []
+        total = 0
+        for i, (chunk_id, offset, length) in enumerate(ranges):
+            self._check_id(chunk_id)
+            rec = self.get(chunk_id)
+            if rec is not None:
+                length = length or rec.length - offset
+                if offset >= rec.length or length <= 0 or offset + length > rec.length:
+                    results[i] = ReadResult(grpc.StatusCode.OUT_OF_RANGE,
+                                            f"range [{offset}, {offset + length}) is outside chunk "
+                                            f"{short_id(chunk_id)} of {rec.length} bytes")
+                    continue
+                total += length
+                plan.append(PlannedRead(i, chunk_id, rec, offset, length))
+            else:
+                results[i] = ReadResult(grpc.StatusCode.NOT_FOUND, f"chunk {short_id(chunk_id)} not found on {self.cfg.id}")
+        if total > self.cfg.max_read_bytes:
+            raise InvalidArgument(f"read of {total} bytes in one call; at most {self.cfg.max_read_bytes}")
+        with self._pin_lock:
+            for p in plan:
+                self._pins[p.rec.slot] += 1
+        # a delete that committed between the lookup and the pin may have freed the
+        # slot: look again now that the pin holds it
+        kept = []
+        for p in plan:
+            if self.get(p.chunk_id) == p.rec:
+                kept.append(p)
+            else:
+                self._unpin(p.rec.slot)
+                results[p.index] = ReadResult(grpc.StatusCode.NOT_FOUND,
+                                              f"chunk {short_id(p.chunk_id)} not found on {self.cfg.id}")
+        return results, kept
+
+    def release(self, plan: list[PlannedRead]) -> None:
+        for p in plan:
+            self._unpin(p.rec.slot)
+
+    def disk_reads(self, plan: list[PlannedRead]) -> list[tuple[int, int, bytearray]]:
+        """io_uring ops reading the 64 KiB blocks each planned range touches,
+        into pooled aligned buffers (give them back with put_buffer)."""
+        ops = []
+        for p in plan:
+            b0, b1 = p.offset // BLOCK, -(-(p.offset + p.length) // BLOCK)
+            ops.append((self.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + b0 * BLOCK,
+                        self._pool.get((b1 - b0) * BLOCK)))
+        return ops
+
+    def put_buffer(self, buf: bytearray) -> None:
+        self._pool.put(buf)
+
+    def count_read(self, nbytes: int) -> None:
+        with self._pin_lock:
+            self.counters.reads += 1
+            self.counters.read_bytes += nbytes
+
+    def count_checksum_error(self) -> None:
+        with self._pin_lock:
+            self.counters.checksum_errors += 1
+
     async def read(self, ranges: list[tuple[bytes, int, int]]) -> list[ReadResult]:
         """Reads (chunk id, offset, length) ranges; length 0 means to the end.
 
         Each range gets its own result: NOT_FOUND, OUT_OF_RANGE and DATA_LOSS
         (checksum mismatch, logged and never served) are per range.
         """
-        if len(ranges) > self.cfg.max_ranges:
-            raise InvalidArgument(f"{len(ranges)} ranges in one read; at most {self.cfg.max_ranges}")
-        results = [ReadResult() for _ in ranges]
-        plan: list[tuple[int, ChunkRecord, int, int, int]] = []
-        total = 0
-        for i, (chunk_id, offset, length) in enumerate(ranges):
-            self._check_id(chunk_id)
-            rec = self.get(chunk_id)
-            if rec is None:
-                results[i] = ReadResult(grpc.StatusCode.NOT_FOUND,
-                                        f"chunk {short_id(chunk_id)} not found on {self.cfg.id}")
-                continue
-            length = length or rec.length - offset
-            if offset >= rec.length or length <= 0 or offset + length > rec.length:
-                results[i] = ReadResult(grpc.StatusCode.OUT_OF_RANGE,
-                                        f"range [{offset}, {offset + length}) is outside chunk "
-                                        f"{short_id(chunk_id)} of {rec.length} bytes")
-                continue
-            total += length
-            plan.append((i, rec, offset, length, offset // BLOCK))
-        if total > self.cfg.max_read_bytes:
-            raise InvalidArgument(f"read of {total} bytes in one call; at most {self.cfg.max_read_bytes}")
-        ops = []
-        for i, rec, offset, length, b0 in plan:
-            b1 = -(-(offset + length) // BLOCK)
-            self._pins[rec.slot] += 1
-            ops.append((self.slots.fds(rec.slot).fd_io, rec.slot.offset + b0 * BLOCK,
-                        self._pool.get((b1 - b0) * BLOCK)))
+        results, plan = self.plan_reads(ranges)
+        ops = self.disk_reads(plan)
         try:
             done = await asyncio.wrap_future(self.reader.read_batch(ops))
-            for (i, rec, offset, length, b0), (_, _, buf), got in zip(plan, ops, done):
-                results[i] = self._verify(ranges[i][0], rec, offset, length, b0, buf, got)
+            for p, (_, _, buf), got in zip(plan, ops, done):
+                results[p.index] = self._verify(p, buf, got)
         finally:
-            for (_, rec, *_), (_, _, buf) in zip(plan, ops):
+            for _, _, buf in ops:
                 self._pool.put(buf)
-                self._unpin(rec.slot)
+            self.release(plan)
         return results
 
-    def _verify(self, chunk_id, rec: ChunkRecord, offset, length, b0, buf, got) -> ReadResult:
+    def _verify(self, p: PlannedRead, buf: bytearray, got: int) -> ReadResult:
+        chunk_id, rec, offset, length = p.chunk_id, p.rec, p.offset, p.length
+        b0 = offset // BLOCK
         start = b0 * BLOCK
         need = min(-(-(offset + length) // BLOCK) * BLOCK, rec.length) - start
         if got < need:
@@ -375,24 +428,24 @@ class ChunkStore:
         for j in range(need // BLOCK + (need % BLOCK > 0)):
             lo = j * BLOCK
             if checksum(view[lo : min(lo + BLOCK, need)]) != rec.blocks[b0 + j]:
-                self.counters.checksum_errors += 1
+                self.count_checksum_error()
                 log.error("chunk %s on %s: checksum mismatch in block %d (slot %s); not served",
                           short_id(chunk_id), self.cfg.id, b0 + j, rec.slot)
                 return ReadResult(grpc.StatusCode.DATA_LOSS,
                                   f"chunk {short_id(chunk_id)} checksum mismatch on {self.cfg.id} "
                                   f"(block {b0 + j}); read another replica")
-        self.counters.reads += 1
-        self.counters.read_bytes += length
+        self.count_read(length)
         lo = offset - start
         return ReadResult(data=bytes(view[lo : lo + length]), length=rec.length, checksum=rec.checksum)
 
     def _unpin(self, ref: SlotRef) -> None:
-        self._pins[ref] -= 1
-        if self._pins[ref] == 0:
-            del self._pins[ref]
-            if ref in self._free_after_read:
-                self._free_after_read.discard(ref)
-                self.slots.free(ref)
+        with self._pin_lock:
+            self._pins[ref] -= 1
+            if self._pins[ref] == 0:
+                del self._pins[ref]
+                if ref in self._free_after_read:
+                    self._free_after_read.discard(ref)
+                    self.slots.free(ref)
 
     # -- deletes and inventory ---------------------------------------------
 
@@ -406,14 +459,15 @@ class ChunkStore:
             if found:
                 await asyncio.wrap_future(self._committer.submit(
                     deletes=[_KEY_PREFIX + cid for cid in found]))
-            for rec in found.values():
-                if self._pins[rec.slot]:
-                    self._free_after_read.add(rec.slot)
-                else:
-                    self._pins.pop(rec.slot, None)
-                    self.slots.free(rec.slot)
-                self.chunk_count -= 1
-                self.used_bytes -= rec.length
+            with self._pin_lock:
+                for rec in found.values():
+                    if self._pins[rec.slot]:
+                        self._free_after_read.add(rec.slot)
+                    else:
+                        self._pins.pop(rec.slot, None)
+                        self.slots.free(rec.slot)
+                    self.chunk_count -= 1
+                    self.used_bytes -= rec.length
             self.counters.deletes += len(found)
             return len(found), len(set(chunk_ids)) - len(found)
 

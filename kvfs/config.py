@@ -96,6 +96,8 @@ class ChunkserverConfig:
     max_chunk_size: int = _size(64 * MiB, "largest chunk accepted")
     max_read_bytes: int = _size(256 * MiB, "most bytes one ReadChunks call may ask for")
     max_ranges: int = _opt(4096, "most ranges one ReadChunks call may ask for")
+    data_listen: str = _opt("", "host:port of the bulk data port (default: the gRPC host and a free "
+                            "port; 'off' serves reads over gRPC only)")
     meta: str = _opt("", "metaserver host:port to register with (empty: standalone)")
     advertise: str = _opt("", "address clients use to reach this server (default: the bound one)")
     ready_file: str = _opt("", "once serving, write the bound address here (for launchers)")

@@ -118,7 +118,7 @@ class MetaState:
             raise InvalidArgument("Register needs a server_id and an address")
         rec = meta_pb2.ServerRecord(id=req.server_id, address=req.address,
                                     failure_domain=req.failure_domain or "default",
-                                    capacity_bytes=req.capacity_bytes)
+                                    capacity_bytes=req.capacity_bytes, data_address=req.data_address)
         known = self.servers.get(req.server_id)
         if known is None or known.record != rec:
             self.db.put(_SERVER + req.server_id.encode(), rec.SerializeToString(), self._sync)
@@ -282,7 +282,8 @@ class MetaState:
                         if sid not in index:
                             index[sid] = len(reply.servers)
                             s = live[sid].record
-                            reply.servers.add(id=s.id, address=s.address, failure_domain=s.failure_domain)
+                            reply.servers.add(id=s.id, address=s.address, failure_domain=s.failure_domain,
+                                              data_address=s.data_address)
                         replicas.append(index[sid])
                 if not replicas:
                     readable = False

@@ -131,7 +131,7 @@ class IoCounters(_message.Message):
     def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters")
+    __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters", "data_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class StatReply(_message.Message):
     IO_ENGINE_FIELD_NUMBER: _ClassVar[int]
     IO_MODE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     failure_domain: str
     capacity_bytes: int
@@ -150,4 +151,5 @@ class StatReply(_message.Message):
     io_engine: str
     io_mode: str
     counters: IoCounters
-    def __init__(self, server_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., io_engine: _Optional[str] = ..., io_mode: _Optional[str] = ..., counters: _Optional[_Union[IoCounters, _Mapping]] = ...) -> None: ...
+    data_address: str
+    def __init__(self, server_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., io_engine: _Optional[str] = ..., io_mode: _Optional[str] = ..., counters: _Optional[_Union[IoCounters, _Mapping]] = ..., data_address: _Optional[str] = ...) -> None: ...

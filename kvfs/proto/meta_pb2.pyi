@@ -47,16 +47,18 @@ class ChunkOwner(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes")
+    __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes", "data_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     address: str
     failure_domain: str
     capacity_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, server_id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -159,14 +161,16 @@ class CommitBlocksReply(_message.Message):
     def __init__(self, committed: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
 
 class Server(_message.Message):
-    __slots__ = ("id", "address", "failure_domain")
+    __slots__ = ("id", "address", "failure_domain", "data_address")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     failure_domain: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class ChunkLocation(_message.Message):
     __slots__ = ("chunk_id", "offset", "length", "checksum", "replicas")
@@ -327,13 +331,15 @@ class AllocationRecord(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
-    __slots__ = ("id", "address", "failure_domain", "capacity_bytes")
+    __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     failure_domain: str
     capacity_bytes: int
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...

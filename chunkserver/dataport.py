@@ -1,0 +1,253 @@
+"""The bulk read path: kvfs/wire.py frames on the chunkserver's data port.
+
+One thread per connection (socketserver), blocking sockets, requests served in
+the order they arrive (a client pipelines many and opens a few connections).
+Memory per connection is bounded: one request body (<= wire.MAX_BODY) and, in
+direct mode, the aligned buffers of one request (<= max_read_bytes). A client
+that stops reading is cut off after `send_timeout`.
+
+  buffered mode: the reply header, then every range straight from the page cache
+                 with sendfile(2): the bytes never enter this process;
+  direct mode:   every range of a request read together through io_uring into
+                 pooled aligned buffers, then sent from them;
+  shm:           a client on the same host registers a /dev/shm file; READ_SHM
+                 ranges are read from disk straight into it (preadv, since the
+                 io_uring binding reads only into bytearrays) and the socket
+                 carries only requests and completions.
+
+The server sends each range widened to whole 64 KiB blocks with their stored
+checksums, and the client verifies them before handing anything over: the
+server never touches the bytes it sends from the page cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import socketserver
+import threading
+
+from kvfs import wire
+from kvfs.errors import KvfsError
+
+from .store import ChunkStore, PlannedRead, short_id
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvfs-"
+MAX_SHM = 4 << 30
+MAX_CONNECTIONS = 256
+SEND_TIMEOUT = 30.0
+IDLE_TIMEOUT = 600.0
+
+
+class _FileRange:
+    """What socket.sendfile needs of a file: its fd (offsets are explicit)."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+class _Closed(Exception):
+    pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise _Closed()
+        got += k
+    return bytes(buf)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: DataServer
+
+    def setup(self) -> None:
+        self.store = self.server.store
+        self.shm: mmap.mmap | None = None
+        self.sock: socket.socket = self.request
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+
+    def handle(self) -> None:
+        peer = self.client_address
+        try:
+            while True:
+                self.sock.settimeout(IDLE_TIMEOUT)
+                try:
+                    raw = _recv_exact(self.sock, wire.HEADER.size)
+                except _Closed:
+                    return  # the client closed between requests
+                self.sock.settimeout(SEND_TIMEOUT)
+                request_id = 0
+                try:
+                    header = wire.parse_header(raw)
+                    request_id = header.request_id
+                    body = _recv_exact(self.sock, header.body_len)
+                    if header.kind == wire.SHM_REGISTER:
+                        self._register_shm(header, body)
+                    else:
+                        self._read(header, wire.parse_ranges(header, body))
+                except wire.WireError as err:
+                    self.store.counters.rejected_requests += 1
+                    log.warning("data port: malformed request from %s: %s; closing", peer, err.message)
+                    self.sock.sendall(wire.encode_status(request_id, err.code, err.message))
+                    return
+        except (_Closed, OSError) as err:  # the client vanished or stopped reading
+            log.info("data port: connection from %s ended: %s", peer, err.__class__.__name__)
+        finally:
+            if self.shm is not None:
+                self.shm.close()
+
+    # ---- shared memory -----------------------------------------------------
+
+    def _register_shm(self, header: wire.Header, body: bytes) -> None:
+        path, size = wire.parse_shm_register(header, body)
+        name = os.path.basename(path)
+        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or not 0 < size <= MAX_SHM:
+            raise wire.WireError(f"shared buffer must be {SHM_DIR}/{SHM_PREFIX}* of 1..{MAX_SHM} bytes, "
+                                 f"not {path!r} of {size}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                if os.fstat(fd).st_size != size:
+                    raise wire.WireError(f"{path} is {os.fstat(fd).st_size} bytes, not {size}")
+                shm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self.sock.sendall(wire.encode_status(header.request_id, 5, f"cannot map {path}: {err.strerror}"))
+            return
+        if self.shm is not None:
+            self.shm.close()
+        self.shm = shm
+        self.sock.sendall(wire.encode_status(header.request_id, 0, ""))
+
+    # ---- reads -------------------------------------------------------------
+
+    def _read(self, header: wire.Header, ranges: list[wire.Range]) -> None:
+        shm = header.kind == wire.READ_SHM
+        if shm and self.shm is None:
+            raise wire.WireError("READ_SHM before SHM_REGISTER", code=9)  # FAILED_PRECONDITION
+        try:
+            results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges])
+        except KvfsError as err:
+            self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
+            return
+        try:
+            replies = [wire.RangeResult(r.code.value[0], r.message) for r in results]
+            served: list[tuple[PlannedRead, int, int]] = []
+            for p in plan:
+                start, length = wire.widen(p.offset, p.length, p.rec.length)
+                b0 = start // wire.BLOCK
+                sums = p.rec.blocks[b0 : b0 + -(-length // wire.BLOCK)]
+                replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, sums)
+                served.append((p, start, length))
+            if shm:
+                self._read_into_shm(header, ranges, replies, served)
+            elif self.store.io_mode == "buffered":
+                self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+                for p, start, length in served:
+                    self.sock.sendfile(_FileRange(self.store.slots.fds(p.rec.slot).fd_io),
+                                       p.rec.slot.offset + start, length)
+                    self.store.count_read(length)
+            else:
+                self._send_direct(header, replies, served)
+        finally:
+            self.store.release(plan)
+
+    def _send_direct(self, header, replies, served) -> None:
+        ops = self.store.disk_reads([p for p, _, _ in served])
+        try:
+            done = self.store.reader.read_batch(ops).result() if ops else []
+            for (p, start, length), got in zip(served, done):
+                if got < length:
+                    reply = replies[p.index]
+                    reply.code, reply.message = 13, f"chunk {short_id(p.chunk_id)}: disk read failed ({got})"
+                    reply.data_start = reply.data_len = 0
+                    reply.checksums = ()
+                    log.error("data port: %s", reply.message)
+            self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+            for (p, start, length), (_, _, buf) in zip(served, ops):
+                if replies[p.index].code == 0:
+                    self.sock.sendall(memoryview(buf)[:length])
+                    self.store.count_read(length)
+        finally:
+            for _, _, buf in ops:
+                self.store.put_buffer(buf)
+
+    def _read_into_shm(self, header, ranges, replies, served) -> None:
+        direct = self.store.io_mode == "direct"
+        view = memoryview(self.shm)
+        try:
+            for p, start, length in served:
+                dst = ranges[p.index].shm_offset
+                span = -(-length // 4096) * 4096 if direct else length  # O_DIRECT reads whole pages
+                reply = replies[p.index]
+                if dst < 0 or dst % 4096 or dst + span > len(view):
+                    reply.code, reply.message = 3, f"shm offset {dst} (+{span}) is outside the shared buffer"
+                    reply.data_start = reply.data_len = 0
+                    reply.checksums = ()
+                    continue
+                got = os.preadv(self.store.slots.fds(p.rec.slot).fd_io, [view[dst : dst + span]],
+                                p.rec.slot.offset + start)
+                if got < length:
+                    reply.code, reply.message = 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})"
+                    reply.data_start = reply.data_len = 0
+                    reply.checksums = ()
+                    continue
+                self.store.count_read(length)
+        finally:
+            view.release()
+        self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+
+
+class DataServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], store: ChunkStore):
+        self.store = store
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    def verify_request(self, request, client_address) -> bool:
+        with self._lock:
+            if len(self._open) >= MAX_CONNECTIONS:
+                log.warning("data port: refusing %s: %d connections open", client_address, len(self._open))
+                return False
+            self._open.add(request)
+            return True
+
+    def shutdown_request(self, request) -> None:
+        with self._lock:
+            self._open.discard(request)
+        super().shutdown_request(request)
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host}:{port}"
+
+
+def start_data_server(listen: str, store: ChunkStore) -> DataServer:
+    host, port = listen.rsplit(":", 1)
+    server = DataServer((host, int(port)), store)
+    threading.Thread(target=server.serve_forever, name="data-port", daemon=True).start()
+    log.info("data port serving on %s (%s reads)", server.address,
+             "sendfile" if store.io_mode == "buffered" else "io_uring")
+    return server

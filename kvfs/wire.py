@@ -1,0 +1,257 @@
+"""The bulk data protocol on a chunkserver's data port (the control plane stays gRPC).
+
+Every frame starts with a 24-byte header, little-endian:
+
+    magic "KVFS" | version u8 | kind u8 | flags u16 | request id u64 | count u32 | body length u32
+
+Requests (client -> server):
+  READ          count ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
+  READ_SHM      count ranges: as READ, then shm offset u64 (where the data goes)
+  SHM_REGISTER  path_len u16, path, size u64: map this /dev/shm file for READ_SHM
+Replies (server -> client), same request id:
+  READ_REPLY    count range results: code u16, msg_len u16, message, data start u64,
+                data length u64, chunk length u64, n u32, n x xxh3-64 of the 64 KiB
+                blocks covering the data; for READ, the data of every OK range follows
+                the body, in order; for READ_SHM it is in the shared buffer
+  STATUS        code u16, msg_len u16, message (SHM_REGISTER's answer, or why a
+                malformed request closed the connection)
+
+The data of a range is widened to whole 64 KiB checksum blocks (clamped to the
+chunk's end): [data start, data start + data length) covers the requested
+range, and the client verifies every block against its checksum before any of
+it is handed over. Codes are google.rpc codes (0 OK, 5 NOT_FOUND, ...).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVFS"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQII")
+
+READ, READ_SHM, SHM_REGISTER = 1, 2, 3
+READ_REPLY, STATUS = 0x81, 0x83
+REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER)
+
+BLOCK = 64 * 1024
+MAX_ID = 64
+MAX_RANGES = 4096
+MAX_BODY = MAX_RANGES * (1 + MAX_ID + 24) + 64  # the largest legal request body
+MAX_MESSAGE = 1024
+
+_RANGE = struct.Struct("<QQ")
+_SHM_RANGE = struct.Struct("<QQQ")
+_RESULT = struct.Struct("<HH")
+_DATA = struct.Struct("<QQQI")
+# the largest legal reply body: every range with a full message and a 64 MiB chunk's checksums
+MAX_REPLY_BODY = MAX_RANGES * (_RESULT.size + MAX_MESSAGE + _DATA.size + 8 * ((64 << 20) // BLOCK))
+
+
+class WireError(Exception):
+    """A malformed frame; `code` is the google.rpc code to answer with."""
+
+    def __init__(self, message: str, code: int = 3):  # 3 = INVALID_ARGUMENT
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: int
+    flags: int
+    request_id: int
+    count: int
+    body_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    chunk_id: bytes
+    offset: int
+    length: int
+    shm_offset: int = -1
+
+
+@dataclass(slots=True)
+class RangeResult:
+    code: int = 0
+    message: str = ""
+    data_start: int = 0
+    data_len: int = 0
+    chunk_len: int = 0
+    checksums: tuple[int, ...] = ()
+
+
+def encode_header(kind: int, request_id: int, count: int, body_len: int, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, flags, request_id, count, body_len)
+
+
+def parse_header(raw: bytes | memoryview, requests: bool = True) -> Header:
+    if len(raw) != HEADER.size:
+        raise WireError(f"truncated header: {len(raw)} of {HEADER.size} bytes")
+    magic, version, kind, flags, request_id, count, body_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not a kvfs data connection")
+    if version != VERSION:
+        raise WireError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if requests:
+        if kind not in REQUEST_KINDS:
+            raise WireError(f"unknown request kind {kind}")
+        if count > MAX_RANGES:
+            raise WireError(f"{count} ranges in one request; at most {MAX_RANGES}")
+        if body_len > MAX_BODY:
+            raise WireError(f"request body of {body_len} bytes; at most {MAX_BODY}")
+    elif kind not in (READ_REPLY, STATUS) or count > MAX_RANGES or body_len > MAX_REPLY_BODY:
+        raise WireError(f"malformed reply header (kind {kind}, {count} ranges, {body_len} bytes)")
+    return Header(kind, flags, request_id, count, body_len)
+
+
+def encode_read(request_id: int, ranges: list[Range], shm: bool = False) -> bytes:
+    parts = []
+    for r in ranges:
+        parts += [bytes([len(r.chunk_id)]), r.chunk_id,
+                  _SHM_RANGE.pack(r.offset, r.length, r.shm_offset) if shm else _RANGE.pack(r.offset, r.length)]
+    body = b"".join(parts)
+    return encode_header(READ_SHM if shm else READ, request_id, len(ranges), len(body)) + body
+
+
+def parse_ranges(header: Header, body: bytes | memoryview) -> list[Range]:
+    """The ranges of a READ or READ_SHM body; WireError if it is malformed."""
+    if len(body) != header.body_len:
+        raise WireError(f"truncated body: {len(body)} of {header.body_len} bytes")
+    fixed = _SHM_RANGE if header.kind == READ_SHM else _RANGE
+    out, pos = [], 0
+    for i in range(header.count):
+        if pos >= len(body):
+            raise WireError(f"body ends before range {i} of {header.count}")
+        n = body[pos]
+        if not 0 < n <= MAX_ID:
+            raise WireError(f"range {i}: chunk id length {n} is outside 1..{MAX_ID}")
+        end = pos + 1 + n + fixed.size
+        if end > len(body):
+            raise WireError(f"body ends inside range {i}")
+        chunk_id = bytes(body[pos + 1 : pos + 1 + n])
+        values = fixed.unpack_from(body, pos + 1 + n)
+        out.append(Range(chunk_id, *values))
+        pos = end
+    if pos != len(body):
+        raise WireError(f"{len(body) - pos} stray bytes after {header.count} ranges")
+    return out
+
+
+def encode_shm_register(request_id: int, path: str, size: int) -> bytes:
+    raw = path.encode()
+    body = struct.pack("<H", len(raw)) + raw + struct.pack("<Q", size)
+    return encode_header(SHM_REGISTER, request_id, 0, len(body)) + body
+
+
+def parse_shm_register(header: Header, body: bytes | memoryview) -> tuple[str, int]:
+    if len(body) != header.body_len or len(body) < 10:
+        raise WireError("malformed SHM_REGISTER body")
+    (n,) = struct.unpack_from("<H", body)
+    if len(body) != 2 + n + 8:
+        raise WireError("malformed SHM_REGISTER body")
+    try:
+        path = bytes(body[2 : 2 + n]).decode()
+    except UnicodeDecodeError:
+        raise WireError("SHM_REGISTER path is not UTF-8") from None
+    (size,) = struct.unpack_from("<Q", body, 2 + n)
+    return path, size
+
+
+def encode_status(request_id: int, code: int, message: str) -> bytes:
+    raw = message.encode()[:MAX_MESSAGE]
+    body = _RESULT.pack(code, len(raw)) + raw
+    return encode_header(STATUS, request_id, 0, len(body)) + body
+
+
+def parse_status(header: Header, body: bytes | memoryview) -> tuple[int, str]:
+    if len(body) < 4:
+        raise WireError("malformed STATUS body")
+    code, n = _RESULT.unpack_from(body)
+    return code, bytes(body[4 : 4 + n]).decode(errors="replace")
+
+
+def encode_read_reply(request_id: int, results: list[RangeResult]) -> bytes:
+    parts = []
+    for r in results:
+        msg = r.message.encode()[:MAX_MESSAGE]
+        parts += [_RESULT.pack(r.code, len(msg)), msg,
+                  _DATA.pack(r.data_start, r.data_len, r.chunk_len, len(r.checksums)),
+                  struct.pack(f"<{len(r.checksums)}Q", *r.checksums)]
+    body = b"".join(parts)
+    return encode_header(READ_REPLY, request_id, len(results), len(body)) + body
+
+
+def parse_read_reply(header: Header, body: bytes | memoryview) -> list[RangeResult]:
+    if len(body) != header.body_len:
+        raise WireError(f"truncated reply body: {len(body)} of {header.body_len} bytes")
+    out, pos = [], 0
+    for i in range(header.count):
+        if pos + _RESULT.size > len(body):
+            raise WireError(f"reply ends before result {i}")
+        code, n = _RESULT.unpack_from(body, pos)
+        pos += _RESULT.size
+        message = bytes(body[pos : pos + n]).decode(errors="replace")
+        pos += n
+        if pos + _DATA.size > len(body):
+            raise WireError(f"reply ends inside result {i}")
+        start, length, chunk_len, nblocks = _DATA.unpack_from(body, pos)
+        pos += _DATA.size
+        if pos + 8 * nblocks > len(body):
+            raise WireError(f"reply ends inside the checksums of result {i}")
+        sums = struct.unpack_from(f"<{nblocks}Q", body, pos)
+        pos += 8 * nblocks
+        if code == 0 and (nblocks != -(-length // BLOCK) or start % BLOCK):
+            raise WireError(f"result {i}: {nblocks} checksums do not cover {length} bytes at {start}")
+        out.append(RangeResult(code, message, start, length, chunk_len, sums))
+    if pos != len(body):
+        raise WireError("stray bytes after the last result")
+    return out
+
+
+def widen(offset: int, length: int, chunk_len: int) -> tuple[int, int]:
+    """The data a range is served as: whole checksum blocks, clamped to the chunk."""
+    start = offset - offset % BLOCK
+    end = min(-(-(offset + length) // BLOCK) * BLOCK, chunk_len)
+    return start, end - start
+
+
+class BlockVerifier:
+    """Checks bytes that arrive in pieces against per-64 KiB xxh3 checksums."""
+
+    __slots__ = ("_sums", "_index", "_fill", "_hash", "ok")
+
+    def __init__(self, checksums: tuple[int, ...]):
+        self._sums = checksums
+        self._index = 0
+        self._fill = 0
+        self._hash = xxhash.xxh3_64()
+        self.ok = True
+
+    def feed(self, view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            take = min(BLOCK - self._fill, len(view) - pos)
+            self._hash.update(view[pos : pos + take])
+            self._fill += take
+            pos += take
+            if self._fill == BLOCK:
+                self._close_block()
+
+    def _close_block(self) -> None:
+        if self._index >= len(self._sums) or self._hash.intdigest() != self._sums[self._index]:
+            self.ok = False
+        self._index += 1
+        self._fill = 0
+        self._hash.reset()
+
+    def finish(self) -> bool:
+        if self._fill:
+            self._close_block()
+        return self.ok and self._index == len(self._sums)
