@@ -21,6 +21,9 @@ from kvfs.rpc import CHANNEL_OPTIONS
 
 from .chunks import ChunkClient, chunk_checksum
 from .restore import Restore
+from .transport import GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
+
+TRANSPORTS = ("auto", "grpc", "tcp", "shm")
 
 
 def _ns(namespace: Namespace) -> meta_pb2.Namespace:
@@ -47,7 +50,7 @@ class PrefixMatch:
     matched: int
     block_tokens: int
     blocks: list = field(repr=False)
-    servers: list[str] = field(repr=False)
+    servers: list[ServerInfo] = field(repr=False)
     lookup_seconds: float = 0.0
 
     @property
@@ -86,11 +89,25 @@ class Client:
     Buffers (`out` for reads, `payload` for writes) are laid out
     `[layer][tokens][kv_dim]` in the cache dtype: a bytearray, mmap, numpy array
     or contiguous CPU torch tensor (see BufferPool for pinned ones).
+
+    `transport` picks how restore bytes travel: "auto" (default) uses a
+    chunkserver's data port, through shared memory when the server is on this
+    host and TCP otherwise, and gRPC for servers without a data port; "tcp",
+    "shm" and "grpc" force one. Writes and metadata always go over gRPC.
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
-                 read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0):
+                 read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
+                 transport: str = "auto", data_connections: int = 2):
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.metaserver = metaserver
+        self.transport = transport
+        self._transports: dict[str, Transport] = {
+            "grpc": GrpcTransport(self.chunkserver),
+            "tcp": TcpTransport(data_connections),
+            "shm": ShmTransport(data_connections),
+        }
         self.block_tokens = block_tokens
         self.per_server_reads = per_server_reads
         self.read_batch = read_batch
@@ -101,6 +118,8 @@ class Client:
         self._chunk_clients: dict[str, ChunkClient] = {}
 
     async def close(self) -> None:
+        for t in self._transports.values():
+            await t.close()
         for c in self._chunk_clients.values():
             await c.close()
         await self._channel.close()
@@ -118,6 +137,16 @@ class Client:
             client = self._chunk_clients[address] = ChunkClient(address)
         return client
 
+    def transport_for(self, server: ServerInfo) -> Transport:
+        """The transport restores use for one server (see `transport`)."""
+        if self.transport == "grpc" or not server.data_address:
+            return self._transports["grpc"]
+        if self.transport == "tcp":
+            return self._transports["tcp"]
+        if self.transport == "shm" or is_local(server.data_address):
+            return self._transports["shm"]
+        return self._transports["tcp"]
+
     async def _meta_call(self, method, request):
         try:
             return await method(request, timeout=self.timeout)
@@ -131,7 +160,8 @@ class Client:
         reply = await self._meta_call(self._meta.MatchPrefix,
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
         return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, list(reply.blocks),
-                           [s.address for s in reply.servers], time.perf_counter() - t0)
+                           [ServerInfo(s.id, s.address, s.data_address) for s in reply.servers],
+                           time.perf_counter() - t0)
 
     def read(self, match: PrefixMatch, out, *, layers: Iterable[int] | None = None, blocks: int | None = None,
              buffer_tokens: int | None = None) -> Restore:
@@ -144,7 +174,7 @@ class Client:
         """
         if match.matched == 0:
             raise InvalidArgument("nothing matched: there is nothing to read")
-        return Restore(self.chunkserver, match, out, layers, blocks, buffer_tokens,
+        return Restore(self.transport_for, match, out, layers, blocks, buffer_tokens,
                        self.per_server_reads, self.read_batch)
 
     async def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,

@@ -20,8 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfs.buffers import byte_view
-from kvfs.errors import InvalidArgument, KvfsError, Unavailable, from_code
+from kvfs.errors import InvalidArgument, KvfsError, Unavailable
 from kvfs.layout import BlockLayout, ChunkSpan
+
+from .transport import ReadSpec, ServerInfo
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,15 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Item:
     block: int
-    chunk_id: bytes
     span: ChunkSpan
-    read_offset: int  # within the chunk
-    read_length: int
-    pieces: list[tuple[int, int, int]]  # (offset in the read, offset in out, length)
+    spec: ReadSpec
     layers: list[int]
-    replicas: list[str]  # addresses, in preference order
-    tried: set[str] = field(default_factory=set)
+    replicas: list[ServerInfo]  # in preference order
+    tried: set[str] = field(default_factory=set)  # addresses
+
+    @property
+    def read_length(self) -> int:
+        return self.spec.length
 
 
 @dataclass(slots=True)
@@ -57,7 +60,7 @@ class Restore:
     are in the buffer; `async for l in r` yields layers in order; `await r.wait()`
     returns RestoreStats once everything is in, or raises why it could not be."""
 
-    def __init__(self, clients, match, out, layers: Iterable[int] | None, blocks: int | None,
+    def __init__(self, transport_for, match, out, layers: Iterable[int] | None, blocks: int | None,
                  buffer_tokens: int | None, per_server: int, batch: int):
         self.layout: BlockLayout = match.layout
         self.blocks = match.matched if blocks is None else min(blocks, match.matched)
@@ -70,7 +73,7 @@ class Restore:
         if len(self._out) < layout.buffer_bytes(tokens):
             raise InvalidArgument(f"destination holds {len(self._out)} bytes; {self.blocks} blocks of "
                                   f"{tokens} tokens need {layout.buffer_bytes(tokens)}")
-        self._clients = clients
+        self._transport_for = transport_for
         self._per_server = per_server
         self._batch = batch
         self.stats = RestoreStats()
@@ -99,9 +102,8 @@ class Restore:
                 lo = max(span.offset, need[0] * layout.layer_bytes)
                 hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
-                pieces = layout.scatter(sub, b, tokens)
-                items.append(_Item(b, c.chunk_id, span, lo - span.offset, hi - lo, pieces, need,
-                                   [match.servers[i] for i in c.replicas]))
+                spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, layout.scatter(sub, b, tokens))
+                items.append(_Item(b, span, spec, need, [match.servers[i] for i in c.replicas]))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))
         self._ready_upto = 0  # index into self.layers of the first layer not yet ready
@@ -114,62 +116,48 @@ class Restore:
     # ---- scheduling ------------------------------------------------------
 
     def _enqueue(self, item: _Item) -> None:
-        choices = [a for a in item.replicas if a not in item.tried]
+        choices = [s for s in item.replicas if s.address not in item.tried]
         if not choices:
-            self._fail(Unavailable(f"chunk {item.chunk_id.hex()[:16]} of block {item.block}: every replica "
-                                   f"failed ({', '.join(sorted(item.tried))})"))
+            self._fail(Unavailable(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every "
+                                   f"replica failed ({', '.join(sorted(item.tried))})"))
             return
-        server = min(choices, key=lambda a: (self._load[a], item.replicas.index(a)))
-        self._load[server] += item.read_length
-        self._queues[server].append(item)
+        server = min(choices, key=lambda s: (self._load[s.address], item.replicas.index(s)))
+        self._load[server.address] += item.read_length
+        self._queues[server.address].append(item)
         self._pending += 1
-        if self._workers[server] < self._per_server:
-            self._workers[server] += 1
+        if self._workers[server.address] < self._per_server:
+            self._workers[server.address] += 1
             task = asyncio.get_running_loop().create_task(self._worker(server))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _worker(self, server: str) -> None:
-        queue = self._queues[server]
+    async def _worker(self, server: ServerInfo) -> None:
+        queue = self._queues[server.address]
         try:
             while queue and self._error is None:
                 batch = [queue.popleft() for _ in range(min(self._batch, len(queue)))]
                 await self._read_batch(server, batch)
         finally:
-            self._workers[server] -= 1
+            self._workers[server.address] -= 1
 
-    async def _read_batch(self, server: str, batch: list[_Item]) -> None:
-        client = self._clients(server)
-        try:
-            results = await client.read([(it.chunk_id, it.read_offset, it.read_length) for it in batch])
-        except KvfsError as err:
-            log.warning("restore: %s failed (%s); reading its %d chunks from other replicas",
-                        server, err.message, len(batch))
-            results = [err] * len(batch)
-        for it, res in zip(batch, results):
+    async def _read_batch(self, server: ServerInfo, batch: list[_Item]) -> None:
+        transport = self._transport_for(server)
+        errors = await transport.read(server, [it.spec for it in batch], self._out)
+        failed = [e for e in errors if e is not None]
+        if failed:
+            log.warning("restore: %d of %d chunks from %s failed (%s); trying other replicas",
+                        len(failed), len(batch), server.address, failed[0].message)
+        for it, err in zip(batch, errors):
             self._pending -= 1
-            self._load[server] -= it.read_length
-            if isinstance(res, KvfsError) or res.code:
-                err = res if isinstance(res, KvfsError) else from_code(res.code, res.message)
-                if not isinstance(res, KvfsError):
-                    log.warning("restore: chunk %s on %s: %s; trying another replica",
-                                it.chunk_id.hex()[:16], server, err.message)
-                it.tried.add(server)
+            self._load[server.address] -= it.read_length
+            if err is not None:
+                it.tried.add(server.address)
                 self.stats.retries += 1
                 self._enqueue(it)
                 continue
-            data = memoryview(res.data)
-            if len(data) != it.read_length:
-                it.tried.add(server)
-                self.stats.retries += 1
-                log.warning("restore: %s returned %d bytes for a %d-byte range", server, len(data), it.read_length)
-                self._enqueue(it)
-                continue
-            for src, dst, n in it.pieces:
-                self._out[dst : dst + n] = data[src : src + n]
             self.stats.bytes += it.read_length
             self.stats.chunks += 1
-            self.stats.per_server[server] += it.read_length
+            self.stats.per_server[server.address] += it.read_length
             self._remaining.subtract(it.layers)
             self._advance()
         if self._pending == 0 and self._error is None and self._ready_upto == len(self.layers):

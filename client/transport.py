@@ -1,0 +1,389 @@
+"""How restore bytes travel from a chunkserver into the caller's buffer.
+
+One small interface, three implementations:
+
+  GrpcTransport  ReadChunks over gRPC; the server verified every block, the
+                 client copies each range out of its message (one copy);
+  TcpTransport   the chunkserver's data port (kvfs/wire.py): a few pipelined
+                 connections per server, each drained by a thread that receives
+                 every range with recv_into straight into its places in the
+                 destination buffer and verifies its 64 KiB blocks as they land;
+  ShmTransport   same host: each connection registers a /dev/shm buffer; the
+                 server reads from disk straight into it and the socket carries
+                 only requests and completions; the client verifies in place
+                 and copies into the destination.
+
+A range that fails (missing, corrupt, server gone) comes back as an error for
+that range only; the restore retries it on another replica. Bytes that fail
+their checksum are never reported as read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvfs import wire
+from kvfs.errors import DataLoss, KvfsError, Unavailable, from_code
+
+from .chunks import ChunkClient
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 5.0
+STALL_TIMEOUT = 30.0  # a connection with requests in flight and no byte for this long is dead
+SHM_REGION = 16 << 20
+SHM_REGIONS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    id: str
+    address: str  # gRPC
+    data_address: str = ""  # the bulk data port; empty when the server has none
+
+
+@dataclass(slots=True)
+class ReadSpec:
+    """One range to read and where its bytes go in the destination."""
+
+    chunk_id: bytes
+    offset: int
+    length: int
+    chunk_length: int
+    pieces: list[tuple[int, int, int]]  # (offset within the range, offset in the destination, length)
+
+
+class Transport(Protocol):
+    name: str
+
+    async def read(self, server: ServerInfo, specs: list[ReadSpec], out: memoryview) -> list[KvfsError | None]:
+        """Reads every spec into `out`; one error (or None) per spec."""
+
+    async def close(self) -> None: ...
+
+
+def is_local(address: str) -> bool:
+    """Whether host:port names this host (loopback, or one of its own addresses)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        mine = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return host in mine
+
+
+class GrpcTransport:
+    name = "grpc"
+
+    def __init__(self, clients):
+        self._clients = clients  # address -> ChunkClient
+
+    async def read(self, server, specs, out):
+        client: ChunkClient = self._clients(server.address)
+        try:
+            results = await client.read([(s.chunk_id, s.offset, s.length) for s in specs])
+        except KvfsError as err:
+            return [err] * len(specs)
+        errors: list[KvfsError | None] = []
+        for spec, res in zip(specs, results):
+            if res.code:
+                errors.append(from_code(res.code, res.message))
+            elif len(res.data) != spec.length:
+                errors.append(DataLoss(f"{server.address} returned {len(res.data)} bytes for a "
+                                       f"{spec.length}-byte range"))
+            else:
+                data = memoryview(res.data)
+                for src, dst, n in spec.pieces:
+                    out[dst : dst + n] = data[src : src + n]
+                errors.append(None)
+        return errors
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Pending:
+    specs: list[ReadSpec]
+    out: memoryview
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    region: int = -1  # shm region, if any
+    errors: list = field(default_factory=list)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("connection closed by the chunkserver")
+        got += n
+
+
+class _Connection:
+    """One data-port connection: requests sent from the event loop, replies
+    drained by a thread that places the bytes and then completes futures."""
+
+    def __init__(self, address: str, shm_regions: int = 0):
+        host, port = address.rsplit(":", 1)
+        self.address = address
+        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
+        self.pending: dict[int, _Pending] = {}
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.dead: KvfsError | None = None
+        self.scratch = bytearray(2 * wire.BLOCK)
+        self.shm: mmap.mmap | None = None
+        if shm_regions:
+            self._register_shm(shm_regions * SHM_REGION)
+        self.thread = threading.Thread(target=self._drain, name=f"kvfs-data-{address}", daemon=True)
+        self.thread.start()
+
+    def _register_shm(self, size: int) -> None:
+        path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.shm = mmap.mmap(fd, size)
+            self.sock.sendall(wire.encode_shm_register(0, path, size))
+            header = bytearray(wire.HEADER.size)
+            _recv_exact(self.sock, memoryview(header))
+            h = wire.parse_header(bytes(header), requests=False)
+            body = bytearray(h.body_len)
+            _recv_exact(self.sock, memoryview(body))
+            code, message = wire.parse_status(h, bytes(body))
+            if code:
+                raise from_code(code, f"{self.address} refused the shared buffer: {message}")
+        finally:
+            os.close(fd)
+            os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
+
+    @property
+    def load(self) -> int:
+        return len(self.pending)
+
+    def submit(self, specs: list[ReadSpec], out: memoryview, loop, region: int = -1) -> asyncio.Future:
+        future = loop.create_future()
+        if self.dead is not None:
+            future.set_result([self.dead] * len(specs))
+            return future
+        rid = next(self.ids)
+        ranges = []
+        offset = region * SHM_REGION
+        for s in specs:
+            ranges.append(wire.Range(s.chunk_id, s.offset, s.length, offset))
+            start, length = wire.widen(s.offset, s.length, s.chunk_length)
+            offset += -(-length // 4096) * 4096
+        with self.lock:
+            self.pending[rid] = _Pending(specs, out, loop, future, region)
+            try:
+                self.sock.sendall(wire.encode_read(rid, ranges, shm=region >= 0))
+            except OSError as err:
+                self._fail(Unavailable(f"data connection to {self.address} lost: {err}"))
+        return future
+
+    def close(self) -> None:
+        self._fail(Unavailable(f"data connection to {self.address} closed"))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5)
+        if self.shm is not None:
+            try:
+                self.shm.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
+
+    def _fail(self, err: KvfsError) -> None:
+        with self.lock:
+            if self.dead is None:
+                self.dead = err
+            pending, self.pending = self.pending, {}
+        for p in pending.values():
+            self._complete(p, [err] * len(p.specs))
+
+    @staticmethod
+    def _complete(p: _Pending, errors: list) -> None:
+        def done():
+            if not p.future.done():
+                p.future.set_result(errors)
+
+        p.loop.call_soon_threadsafe(done)
+
+    def _drain(self) -> None:
+        header = bytearray(wire.HEADER.size)
+        try:
+            while True:
+                try:
+                    _recv_exact(self.sock, memoryview(header))
+                except BlockingIOError:  # SO_RCVTIMEO: fine while idle
+                    if self.pending:
+                        raise TimeoutError(f"no reply for {STALL_TIMEOUT:.0f}s") from None
+                    continue
+                h = wire.parse_header(bytes(header), requests=False)
+                body = bytearray(h.body_len)
+                _recv_exact(self.sock, memoryview(body))
+                with self.lock:
+                    p = self.pending.pop(h.request_id, None)
+                if p is None:
+                    code, message = wire.parse_status(h, body) if h.kind == wire.STATUS else (13, "")
+                    raise ConnectionError(f"unexpected reply {h.request_id}: {message or 'unknown request'}")
+                if h.kind == wire.STATUS:
+                    code, message = wire.parse_status(h, body)
+                    self._complete(p, [from_code(code, f"{message} (from {self.address})")] * len(p.specs))
+                    continue
+                results = wire.parse_read_reply(h, body)
+                if len(results) != len(p.specs):
+                    raise wire.WireError(f"{len(results)} results for {len(p.specs)} ranges")
+                self._complete(p, self._place(p, results))
+        except (OSError, wire.WireError, KvfsError, ConnectionError) as err:
+            message = err.message if isinstance(err, (wire.WireError, KvfsError)) else str(err)
+            if self.dead is None:
+                log.warning("data connection to %s failed: %s", self.address, message)
+            self._fail(Unavailable(f"data connection to {self.address} lost: {message}"))
+
+    def _place(self, p: _Pending, results: list[wire.RangeResult]) -> list:
+        errors: list[KvfsError | None] = []
+        shm_at = p.region * SHM_REGION
+        for spec, res in zip(p.specs, results):
+            if res.code:
+                errors.append(from_code(res.code, f"{res.message} (from {self.address})"))
+                if p.region >= 0:
+                    shm_at += -(-wire.widen(spec.offset, spec.length, spec.chunk_length)[1] // 4096) * 4096
+                continue
+            end = spec.offset + spec.length
+            if res.data_start > spec.offset or res.data_start + res.data_len < end:
+                raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) misses the range "
+                                     f"[{spec.offset}, {end})")
+            if p.region >= 0:
+                errors.append(self._place_from_shm(spec, res, p.out, shm_at))
+                shm_at += -(-res.data_len // 4096) * 4096
+            else:
+                errors.append(self._receive(spec, res, p.out))
+        return errors
+
+    def _receive(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview) -> KvfsError | None:
+        verifier = wire.BlockVerifier(res.checksums)
+        scratch = memoryview(self.scratch)
+        head = spec.offset - res.data_start
+        if head:
+            _recv_exact(self.sock, scratch[:head])
+            verifier.feed(scratch[:head])
+        for _, dst, n in spec.pieces:
+            view = out[dst : dst + n]
+            _recv_exact(self.sock, view)
+            verifier.feed(view)
+        tail = res.data_start + res.data_len - spec.offset - spec.length
+        if tail:
+            _recv_exact(self.sock, scratch[:tail])
+            verifier.feed(scratch[:tail])
+        if not verifier.finish():
+            log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
+            return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")
+        return None
+
+    def _place_from_shm(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview, at: int):
+        data = memoryview(self.shm)[at : at + res.data_len]
+        try:
+            verifier = wire.BlockVerifier(res.checksums)
+            verifier.feed(data)
+            if not verifier.finish():
+                log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16],
+                            self.address)
+                return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")
+            base = spec.offset - res.data_start
+            for src, dst, n in spec.pieces:
+                out[dst : dst + n] = data[base + src : base + src + n]
+            return None
+        finally:
+            data.release()
+
+
+class TcpTransport:
+    """The data port over TCP: `connections` pipelined connections per server."""
+
+    name = "tcp"
+    shm_regions = 0
+
+    def __init__(self, connections: int = 2):
+        self.connections = connections
+        self._conns: dict[str, list[_Connection]] = {}
+        self._regions: dict[int, asyncio.Queue] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
+
+    async def _connection(self, address: str) -> _Connection:
+        async with self._opening.setdefault(address, asyncio.Lock()):
+            conns = self._conns.setdefault(address, [])
+            for dead in [c for c in conns if c.dead is not None]:
+                conns.remove(dead)
+                self._regions.pop(id(dead), None)
+                dead.close()
+            if len(conns) < self.connections:
+                try:
+                    conn = await asyncio.get_running_loop().run_in_executor(
+                        None, _Connection, address, self.shm_regions)
+                except (OSError, KvfsError) as err:
+                    if not conns:
+                        raise Unavailable(f"cannot open a data connection to {address}: {err}") from None
+                else:
+                    conns.append(conn)
+                    if self.shm_regions:
+                        queue: asyncio.Queue = asyncio.Queue()
+                        for r in range(self.shm_regions):
+                            queue.put_nowait(r)
+                        self._regions[id(conn)] = queue
+            return min(conns, key=lambda c: c.load)
+
+    async def read(self, server, specs, out):
+        try:
+            conn = await self._connection(server.data_address)
+        except Unavailable as err:
+            return [err] * len(specs)
+        return await conn.submit(specs, out, asyncio.get_running_loop())
+
+    async def close(self) -> None:
+        for conns in self._conns.values():
+            for c in conns:
+                c.close()
+        self._conns.clear()
+
+
+class ShmTransport(TcpTransport):
+    """The data port with a shared-memory buffer per connection (same host only)."""
+
+    name = "shm"
+    shm_regions = SHM_REGIONS
+
+    async def read(self, server, specs, out):
+        need = sum(-(-wire.widen(s.offset, s.length, s.chunk_length)[1] // 4096) * 4096 for s in specs)
+        if need > SHM_REGION:  # larger than a region: send it the TCP way on the same connection
+            return await super().read(server, specs, out)
+        try:
+            conn = await self._connection(server.data_address)
+        except Unavailable as err:
+            return [err] * len(specs)
+        regions = self._regions[id(conn)]
+        region = await regions.get()
+        try:
+            return await conn.submit(specs, out, asyncio.get_running_loop(), region)
+        finally:
+            regions.put_nowait(region)
