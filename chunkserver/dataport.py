@@ -247,7 +247,7 @@ class DataServer(socketserver.ThreadingTCPServer):
 def start_data_server(listen: str, store: ChunkStore) -> DataServer:
     host, port = listen.rsplit(":", 1)
     server = DataServer((host, int(port)), store)
-    threading.Thread(target=server.serve_forever, name="data-port", daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
     log.info("data port serving on %s (%s reads)", server.address,
              "sendfile" if store.io_mode == "buffered" else "io_uring")
     return server

@@ -39,15 +39,18 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 15) -> int:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    def terminate(self) -> None:
+        """Asks it to stop (SIGTERM) without waiting."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        return self.kill()
+
+    def stop(self, timeout: float = 15) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+        self.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return self.kill()
 
     def kill(self) -> int:
         if self.alive():
@@ -227,7 +230,11 @@ class LocalCluster:
         return [p for p in [self.meta, *self.chunkservers] if p is not None]
 
     def stop(self) -> None:
-        for p in reversed(self.processes()):
+        """Stops every process, all at once."""
+        processes = self.processes()
+        for p in processes:
+            p.terminate()
+        for p in processes:
             p.stop()
 
     def __enter__(self) -> LocalCluster:
