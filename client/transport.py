@@ -186,7 +186,7 @@ class _Connection:
             return future
         rid = next(self.ids)
         ranges = []
-        offset = region * SHM_REGION
+        offset = max(region, 0) * SHM_REGION
         for s in specs:
             ranges.append(wire.Range(s.chunk_id, s.offset, s.length, offset))
             start, length = wire.widen(s.offset, s.length, s.chunk_length)

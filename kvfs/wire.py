@@ -74,7 +74,7 @@ class Range:
     chunk_id: bytes
     offset: int
     length: int
-    shm_offset: int = -1
+    shm_offset: int = 0  # READ_SHM only
 
 
 @dataclass(slots=True)

@@ -1,0 +1,200 @@
+"""The bulk data path: every transport against real chunkservers, corruption,
+malformed frames, and clients that vanish mid-transfer."""
+
+import asyncio
+import os
+import random
+import socket
+
+import pytest
+
+from kvfs import wire
+from kvfs.client import ChunkClient, Client
+from kvfs.client.transport import ServerInfo, is_local
+from kvfs.errors import Unavailable
+from kvfs.keys import Namespace
+from kvfs.layout import BlockLayout
+
+from helpers import wait_until
+
+NS = Namespace("acme", "deepseek-v3")
+MLA = BlockLayout.mla()
+MiB = 1 << 20
+
+
+def tokens_for(n_blocks: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n_blocks * 64)]
+
+
+async def restore(client: Client, tokens, layout=MLA, **kw):
+    match = await client.lookup(NS, tokens)
+    out = bytearray(layout.buffer_bytes(match.tokens))
+    r = client.read(match, out, **kw)
+    order = [layer async for layer in r]
+    return out, order, await r.wait()
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+async def test_every_transport_restores_byte_exact(local_cluster, mode):
+    cluster = local_cluster(chunk_extra=["--io-mode", mode])
+    tokens = tokens_for(8, seed=1)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address) as writer:
+        await writer.write(NS, tokens, payload, MLA)
+    for transport in ("grpc", "tcp", "shm", "auto"):
+        async with Client(cluster.meta_address, transport=transport) as client:
+            match = await client.lookup(NS, tokens)
+            assert {client.transport_for(s).name for s in match.servers} == \
+                {"shm" if transport == "auto" else transport}  # loopback: auto picks shared memory
+            out, order, stats = await restore(client, tokens)
+            assert bytes(out) == payload, transport
+            assert order == list(range(MLA.layers))
+            assert stats.retries == 0 and len(stats.per_server) == 3
+            # a layer subset reads sub-ranges that do not start on a checksum block
+            sub = bytearray(MLA.buffer_bytes(match.tokens))
+            await client.read(match, sub, layers=[3, 20]).wait()
+            stride = match.tokens * MLA.row_bytes
+            for layer in (3, 20):
+                assert sub[layer * stride : (layer + 1) * stride] == payload[layer * stride : (layer + 1) * stride]
+
+
+def flip_byte_in_every_chunk_on(server_dir):
+    for slot_file in server_dir.glob("slots/*/*.slots"):
+        size = slot_file.stat().st_size
+        with open(slot_file, "r+b") as fh:
+            for off in range(1000, size, 1 << 20):  # one byte in every 1 MiB slot
+                fh.seek(off)
+                b = fh.read(1)
+                fh.seek(off)
+                fh.write(bytes([b[0] ^ 0x55]))
+        fd = os.open(slot_file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_corrupt_replica_is_never_used_and_the_other_serves(local_cluster, transport):
+    cluster = local_cluster(chunk_extra=["--io-mode", "buffered"])  # sendfile: only the client checks
+    tokens = tokens_for(6, seed=2)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport=transport) as client:
+        await client.write(NS, tokens, payload, MLA)
+        flip_byte_in_every_chunk_on(cluster.root / "cs-0")
+        print("injected: one flipped byte in every chunk on cs-0")
+        out, order, stats = await restore(client, tokens)
+        assert bytes(out) == payload
+        assert stats.retries > 0 and cluster.chunkservers[0].address not in stats.per_server
+        print(f"saw: {stats.retries} chunk reads from cs-0 failed their checksum and were read elsewhere")
+        # with every replica of a chunk corrupt, the restore fails rather than hand over bytes
+        flip_byte_in_every_chunk_on(cluster.root / "cs-1")
+        flip_byte_in_every_chunk_on(cluster.root / "cs-2")
+        match = await client.lookup(NS, tokens)
+        r = client.read(match, bytearray(MLA.buffer_bytes(match.tokens)))
+        with pytest.raises(Unavailable, match="every replica failed"):
+            await r.wait()
+        with pytest.raises(Unavailable):
+            await r.layer_ready(MLA.layers - 1)
+
+
+def raw_request(address: str, frame: bytes) -> tuple[wire.Header, bytes, socket.socket]:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(frame)
+    header = wire.parse_header(recv(sock, wire.HEADER.size), requests=False)
+    return header, recv(sock, header.body_len), sock
+
+
+def recv(sock, n):
+    buf = b""
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("closed")
+        buf += part
+    return buf
+
+
+async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkservers):
+    server = chunkservers()
+    async with ChunkClient(server.address) as c:
+        await c.write(b"known", os.urandom(3 * MiB))
+        data_address = (await c.stat()).data_address
+    assert data_address
+    cases = [
+        (b"GET / HTTP/1.1\r\n\r\n" + bytes(10), 3, "magic"),
+        (wire.encode_header(wire.READ, 5, wire.MAX_RANGES + 1, 0), 3, "ranges"),
+        (wire.encode_header(wire.READ, 6, 2, 9) + b"\x00" * 9, 3, "chunk id length"),
+        (wire.encode_read(7, [wire.Range(b"known", 0, 0)], shm=True), 9, "SHM_REGISTER"),
+        (wire.encode_shm_register(8, "/etc/passwd", 100), 3, "/dev/shm"),
+    ]
+    for frame, code, text in cases:
+        header, body, sock = raw_request(data_address, frame)
+        assert header.kind == wire.STATUS
+        got_code, message = wire.parse_status(header, body)
+        assert (got_code, text in message) == (code, True), message
+        assert sock.recv(1) == b""  # the server closed the connection after a malformed frame
+        sock.close()
+    # per-range errors keep the connection: unknown chunk, out of range; then a good read
+    header, body, sock = raw_request(data_address, wire.encode_read(9, [
+        wire.Range(b"unknown", 0, 0), wire.Range(b"known", 3 * MiB, 5), wire.Range(b"known", 10, 20)]))
+    results = wire.parse_read_reply(header, body)
+    assert [r.code for r in results] == [5, 11, 0]
+    assert len(recv(sock, results[2].data_len)) == 65536  # widened to its checksum block
+    # a read over the server's limit is refused as a whole, on a connection that stays open
+    sock.sendall(wire.encode_read(10, [wire.Range(b"known", 0, 0)] * 200))
+    header = wire.parse_header(recv(sock, 24), requests=False)
+    code, message = wire.parse_status(header, recv(sock, header.body_len))
+    assert code == 3 and "at most" in message
+    sock.close()
+    async with ChunkClient(server.address) as c:
+        assert (await c.stat()).counters.rejected_requests >= 4
+    assert "malformed request" in server.log_path.read_text()
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_clients_vanishing_mid_transfer_leave_the_server_serving(chunkservers):
+    server = chunkservers(extra=["--io-mode", "buffered"])
+    chunks = {b"c%d" % i: os.urandom(4 * MiB) for i in range(8)}
+    async with ChunkClient(server.address) as c:
+        for cid, data in chunks.items():
+            await c.write(cid, data)
+        data_address = (await c.stat()).data_address
+    baseline = open_fds(server.pid)
+    host, port = data_address.rsplit(":", 1)
+    for _ in range(20):  # ask for 32 MiB, read a little, vanish
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+        sock.sendall(wire.encode_read(1, [wire.Range(cid, 0, 0) for cid in chunks]))
+        sock.recv(1000)
+        sock.close()
+    wait_until(lambda: open_fds(server.pid) <= baseline, 20, "the server to drop vanished connections")
+    info = ServerInfo("cs-1", server.address, data_address)
+    async with Client("127.0.0.1:1", transport="tcp") as client:  # no metaserver needed for raw reads
+        from kvfs.client.transport import ReadSpec
+
+        out = bytearray(4 * MiB)
+        errors = await client._transports["tcp"].read(info, [ReadSpec(b"c3", 0, 4 * MiB, 4 * MiB,
+                                                                      [(0, 0, 4 * MiB)])], memoryview(out))
+        assert errors == [None] and bytes(out) == chunks[b"c3"]
+
+
+async def test_dead_data_port_is_retried_on_other_replicas(local_cluster):
+    cluster = local_cluster()
+    tokens = tokens_for(6, seed=3)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport="tcp") as client:
+        await client.write(NS, tokens, payload, MLA)
+        out, _, _ = await restore(client, tokens)  # connections open to every server
+        cluster.chunkservers[2].kill()
+        out, order, stats = await restore(client, tokens)
+        assert bytes(out) == payload and order == list(range(MLA.layers))
+        assert cluster.chunkservers[2].address not in stats.per_server
+
+
+def test_same_host_detection():
+    assert is_local("127.0.0.1:7000") and is_local("localhost:1") and is_local("[::1]:5")
+    assert not is_local("192.0.2.1:7000")  # TEST-NET-1: never this host

@@ -1,0 +1,123 @@
+"""The data-port frame codec, including fuzzing of what a server parses."""
+
+import os
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfs import wire
+
+ids = st.binary(min_size=1, max_size=wire.MAX_ID)
+ranges = st.lists(st.builds(wire.Range, ids, st.integers(0, 2**63), st.integers(0, 2**63),
+                            st.integers(0, 2**63)), max_size=50)
+
+
+def split(frame: bytes):
+    header = wire.parse_header(frame[: wire.HEADER.size])
+    return header, frame[wire.HEADER.size :]
+
+
+@given(ranges, st.booleans(), st.integers(0, 2**64 - 1))
+def test_read_requests_round_trip(rs, shm, rid):
+    header, body = split(wire.encode_read(rid, rs, shm=shm))
+    assert (header.kind, header.request_id, header.count) == (wire.READ_SHM if shm else wire.READ, rid, len(rs))
+    parsed = wire.parse_ranges(header, body)
+    assert [(r.chunk_id, r.offset, r.length) for r in parsed] == [(r.chunk_id, r.offset, r.length) for r in rs]
+    if shm:
+        assert [r.shm_offset for r in parsed] == [r.shm_offset for r in rs]
+
+
+def test_replies_and_statuses_round_trip():
+    results = [wire.RangeResult(0, "", 65536, 100_000, 165_536, (1, 2)), wire.RangeResult(5, "not found on cs-1")]
+    frame = wire.encode_read_reply(9, results)
+    header = wire.parse_header(frame[:24], requests=False)
+    assert wire.parse_read_reply(header, frame[24:]) == results
+    frame = wire.encode_status(4, 3, "bad")
+    header = wire.parse_header(frame[:24], requests=False)
+    assert wire.parse_status(header, frame[24:]) == (3, "bad")
+    frame = wire.encode_shm_register(1, "/dev/shm/kvfs-x", 1 << 20)
+    header, body = split(frame)
+    assert wire.parse_shm_register(header, body) == ("/dev/shm/kvfs-x", 1 << 20)
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=64))
+def test_fuzzed_headers_parse_or_raise_wire_error(raw):
+    try:
+        header = wire.parse_header(raw)
+    except wire.WireError:
+        return
+    # whatever passes is within the limits a server allocates for
+    assert header.count <= wire.MAX_RANGES and header.body_len <= wire.MAX_BODY
+
+
+@settings(max_examples=500)
+@given(st.sampled_from([wire.READ, wire.READ_SHM, wire.SHM_REGISTER]), st.integers(0, 40), st.binary(max_size=600))
+def test_fuzzed_bodies_parse_or_raise_wire_error(kind, count, body):
+    header = wire.Header(kind, 0, 1, count, len(body))
+    try:
+        if kind == wire.SHM_REGISTER:
+            wire.parse_shm_register(header, body)
+        else:
+            parsed = wire.parse_ranges(header, body)
+            assert len(parsed) == count
+    except wire.WireError:
+        pass
+
+
+@given(ranges.filter(bool), st.data())
+def test_truncated_frames_are_refused(rs, data):
+    frame = wire.encode_read(1, rs)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(wire.WireError):
+        header = wire.parse_header(frame[: min(cut, 24)])
+        wire.parse_ranges(header, frame[24:cut])
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b"HTTP" + bytes(20), "magic"),
+    (struct.pack("<4sBBHQII", b"KVFS", 9, 1, 0, 0, 0, 0), "version"),
+    (struct.pack("<4sBBHQII", b"KVFS", 1, 77, 0, 0, 0, 0), "kind"),
+    (struct.pack("<4sBBHQII", b"KVFS", 1, 1, 0, 0, wire.MAX_RANGES + 1, 0), "ranges"),
+    (struct.pack("<4sBBHQII", b"KVFS", 1, 1, 0, 0, 1, wire.MAX_BODY + 1), "body"),
+])
+def test_bad_headers_say_what_is_wrong(raw, match):
+    with pytest.raises(wire.WireError, match=match):
+        wire.parse_header(raw)
+
+
+@pytest.mark.parametrize("offset,length,chunk,expect", [
+    (0, 100, 100, (0, 100)), (70_000, 10, 1 << 20, (65536, 65536)), (65535, 2, 1 << 20, (0, 131072)),
+    (1_000_000, 48_576, 1 << 20, (983_040, 65_536)), (0, 1_032_192, 1_032_192, (0, 1_032_192)), (73_728, 73_728, 1_032_192, (65_536, 131_072)),
+])
+def test_widen_to_whole_checksum_blocks(offset, length, chunk, expect):
+    assert wire.widen(offset, length, chunk) == expect
+
+
+@given(st.integers(1, 300_000), st.lists(st.integers(1, 70_000), min_size=1, max_size=20))
+def test_verifier_accepts_exact_bytes_in_any_pieces(n, cuts):
+    data = os.urandom(n)
+    sums = tuple(xxhash.xxh3_64_intdigest(data[i : i + wire.BLOCK]) for i in range(0, n, wire.BLOCK))
+    v = wire.BlockVerifier(sums)
+    pos = 0
+    for c in cuts * (n // sum(cuts) + 1):
+        v.feed(memoryview(data)[pos : pos + c])
+        pos += c
+        if pos >= n:
+            break
+    assert v.finish()
+
+
+def test_verifier_rejects_a_flipped_byte_and_missing_bytes():
+    data = bytearray(os.urandom(200_000))
+    sums = tuple(xxhash.xxh3_64_intdigest(data[i : i + wire.BLOCK]) for i in range(0, len(data), wire.BLOCK))
+    short = wire.BlockVerifier(sums)
+    short.feed(memoryview(data)[:-1])
+    assert not short.finish()
+    data[150_000] ^= 1
+    bad = wire.BlockVerifier(sums)
+    bad.feed(memoryview(data))
+    assert not bad.finish()
