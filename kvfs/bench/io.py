@@ -1,50 +1,51 @@
-"""`kvfs-bench io`: chunkserver read throughput over gRPC beside the raw disk.
+"""`kvfs-bench io`: restores through the cluster beside what the machine can do.
 
-For each I/O mode (O_DIRECT, buffered) it starts a real chunkserver, fills it
-with chunks, then alternates two measurements over the same slot files:
-  raw  - the chunkserver's own io_uring reader, in this process, no gRPC;
-  grpc - ReadChunks from this process to the server, the same batches.
-Both use the same batch size and concurrency; the ratio grpc/raw is the price
-of the control-plane RPC path that the bulk data path will remove. Buffered
-passes start cold: each pass first drops the slot files from the page cache.
+For each cache mode (warm: chunkservers in buffered mode, data in the page cache;
+cold: O_DIRECT, nothing cached) it starts a real local cluster, writes one long
+MLA prefix, and measures for each transport (grpc, tcp, shm):
+  restore   - lookup + read of the whole prefix into one buffer (GB/s);
+  per block - single-block restores from `concurrency` workers (p50, p99 latency
+              and the GB/s they add up to);
+beside baselines measured in the same run:
+  raw       - the chunkservers' own io_uring reader, in this process, over the
+              same slot files (O_DIRECT when cold, page cache when warm);
+  socket    - a plain loopback TCP copy into a reused buffer;
+  redis     - GET of the same blocks from a local redis-server (when one is on
+              the PATH and the `redis` package is installed), same concurrency.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import pathlib
 import random
+import shutil
+import socket
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
 
 from kvfs.buffers import aligned_bytearray
 from kvfs.chunkserver.uring import UringReader  # the server's reader, used here without a server
-from kvfs.client import ChunkClient
-from kvfs.launcher import start_chunkserver
+from kvfs.client import Client
+from kvfs.keys import Namespace
+from kvfs.launcher import LocalCluster, LaunchError
+from kvfs.layout import BlockLayout
+
+NS = Namespace("bench", "deepseek-v3")
+CHUNK = 1 << 20
 
 
-@dataclass
-class IoResult:
-    mode: str
-    chunks: int
-    chunk_bytes: int
-    write_gbps: float
-    raw_gbps: list[float]
-    grpc_gbps: list[float]
-
-    @property
-    def ratio(self) -> float:
-        return statistics.median(self.grpc_gbps) / statistics.median(self.raw_gbps)
-
-    def as_json(self) -> dict:
-        return {**asdict(self), "raw_gbps_median": statistics.median(self.raw_gbps),
-                "grpc_gbps_median": statistics.median(self.grpc_gbps), "grpc_over_raw": self.ratio}
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
-def _drop_cache(files: list[pathlib.Path]) -> None:
+def drop_cache(files: list[pathlib.Path]) -> None:
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -53,101 +54,207 @@ def _drop_cache(files: list[pathlib.Path]) -> None:
             os.close(fd)
 
 
-async def _batches(ops: list, batch: int, concurrency: int, run) -> float:
-    """Runs `run(batch_of_ops)` over all ops with `concurrency` batches in flight; GB/s."""
-    groups = [ops[i : i + batch] for i in range(0, len(ops), batch)]
-    queue = asyncio.Queue()
-    for g in groups:
-        queue.put_nowait(g)
-    moved = 0
-
-    async def worker():
-        nonlocal moved
-        while not queue.empty():
-            done = await run(queue.get_nowait())  # not `moved += await ...`: that loses updates
-            moved += done
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return moved / (time.perf_counter() - t0) / 1e9
-
-
-async def _raw_pass(reader: UringReader, files: list[pathlib.Path], chunk: int, direct: bool,
-                    batch: int, concurrency: int, buffers: list[bytearray]) -> float:
+async def raw_disk(files: list[pathlib.Path], direct: bool, depth: int = 32) -> float:
+    """GB/s of 1 MiB reads over whole slot files through the io_uring reader."""
+    reader = UringReader(256)
     fds = [os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in files]
     try:
-        ops = [(fd, off) for fd, p in zip(fds, files) for off in range(0, p.stat().st_size, chunk)]
-        free = list(buffers)
+        ops = [(fd, off) for fd, p in zip(fds, files) for off in range(0, p.stat().st_size, CHUNK)]
+        free = [aligned_bytearray(CHUNK) for _ in range(depth)]
+        moved = 0
 
-        async def run(group):
-            bufs = [free.pop() for _ in group]
-            try:
-                got = await asyncio.wrap_future(reader.read_batch(
-                    [(fd, off, b) for (fd, off), b in zip(group, bufs)]))
-                if min(got) < chunk:
-                    raise RuntimeError(f"raw read failed: {got}")
-                return sum(got)
-            finally:
-                free.extend(bufs)
+        async def worker(mine):
+            nonlocal moved
+            for fd, off in mine:
+                buf = free.pop()
+                try:
+                    got = (await asyncio.wrap_future(reader.read_batch([(fd, off, buf)])))[0]
+                finally:
+                    free.append(buf)
+                if got < 0:
+                    raise OSError(-got, os.strerror(-got))
+                moved += got
 
-        return await _batches(ops, batch, concurrency, run)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(ops[i::depth]) for i in range(depth)))
+        return moved / (time.perf_counter() - t0) / 1e9
     finally:
         for fd in fds:
             os.close(fd)
-
-
-async def _grpc_pass(client: ChunkClient, ids: list[bytes], chunk: int, batch: int, concurrency: int) -> float:
-    async def run(group):
-        results = await client.read([(c, 0, 0) for c in group])
-        if any(r.code or len(r.data) != chunk for r in results):
-            raise RuntimeError(f"ReadChunks failed: {[r.message for r in results if r.code]}")
-        return sum(len(r.data) for r in results)
-
-    return await _batches(ids, batch, concurrency, run)
-
-
-async def run_io(mode: str, chunks: int, chunk: int, batch: int, concurrency: int, rounds: int,
-                 root: pathlib.Path, log=print) -> IoResult:
-    server = start_chunkserver(root / f"cs-{mode}", server_id=f"cs-{mode}", capacity=f"{chunks * chunk * 2}",
-                               extra=["--io-mode", mode], run_dir=root)
-    reader = UringReader(256)
-    try:
-        rng = random.Random(0)
-        payload = rng.randbytes(chunk)
-        ids = [f"bench-{i:06d}".encode() for i in range(chunks)]
-        async with ChunkClient(server.address) as client:
-            t0 = time.perf_counter()
-            sem = asyncio.Semaphore(8)
-
-            async def put(i, cid):
-                async with sem:  # distinct bytes per chunk: xor one word
-                    data = bytearray(payload)
-                    data[:8] = i.to_bytes(8, "little")
-                    await client.write(cid, data)
-
-            await asyncio.gather(*(put(i, c) for i, c in enumerate(ids)))
-            write_gbps = chunks * chunk / (time.perf_counter() - t0) / 1e9
-            files = sorted((root / f"cs-{mode}" / "slots").glob("*/*.slots"))
-            buffers = [aligned_bytearray(chunk) for _ in range(batch * concurrency)]
-            await _grpc_pass(client, ids[: batch * concurrency], chunk, batch, concurrency)  # warm-up
-            raw, rpc = [], []
-            for r in range(rounds):
-                rng.shuffle(ids)
-                if mode == "buffered":
-                    _drop_cache(files)
-                raw.append(await _raw_pass(reader, files, chunk, mode == "direct", batch, concurrency, buffers))
-                if mode == "buffered":
-                    _drop_cache(files)
-                rpc.append(await _grpc_pass(client, ids, chunk, batch, concurrency))
-                log(f"  {mode} round {r + 1}: raw io_uring {raw[-1]:.2f} GB/s, ReadChunks {rpc[-1]:.2f} GB/s")
-        return IoResult(mode, chunks, chunk, write_gbps, raw, rpc)
-    finally:
         reader.close()
-        server.stop()
 
 
-def default_root() -> pathlib.Path:
-    return pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+def socket_copy(total: int, piece: int = CHUNK) -> float:
+    """GB/s of a plain loopback TCP copy into a reused buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    payload = os.urandom(piece)
+
+    def send():
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(total // piece):
+                conn.sendall(payload)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    buf = bytearray(piece)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        t0 = time.perf_counter()
+        got = 0
+        while got < total // piece * piece:
+            n = sock.recv_into(view)
+            if not n:
+                break
+            got += n
+        rate = got / (time.perf_counter() - t0) / 1e9
+    sender.join()
+    listener.close()
+    return rate
 
 
+async def redis_get(blocks: list[bytes], concurrency: int, rounds: int, root: pathlib.Path) -> dict | None:
+    """GB/s and per-block latency of GET from a local redis-server, or None."""
+    exe = shutil.which("redis-server")
+    try:
+        import redis.asyncio as aioredis
+    except ImportError:
+        return None
+    if not exe:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = aioredis.Redis(host="127.0.0.1", port=port, max_connections=concurrency * 2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise LaunchError("redis-server did not start")
+                await asyncio.sleep(0.05)
+        for i, b in enumerate(blocks):
+            await client.set(f"b{i}", b)
+        rates, lat = [], []
+        for _ in range(rounds):
+            order = list(range(len(blocks)))
+            random.shuffle(order)
+            t0 = time.perf_counter()
 
+            async def worker(mine):
+                for i in mine:
+                    s = time.perf_counter()
+                    v = await client.get(f"b{i}")
+                    lat.append(time.perf_counter() - s)
+                    assert len(v) == len(blocks[i])
+
+            await asyncio.gather(*(worker(order[k::concurrency]) for k in range(concurrency)))
+            rates.append(sum(map(len, blocks)) / (time.perf_counter() - t0) / 1e9)
+        await client.aclose()
+        return {"gbps": statistics.median(rates), "block_p50_ms": percentile(lat, 0.5) * 1e3,
+                "block_p99_ms": percentile(lat, 0.99) * 1e3}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+async def transport_pass(meta: str, transport: str, prompt: list[int], payload: bytearray, layout: BlockLayout,
+                         rounds: int, concurrency: int, cold_files: list[pathlib.Path] | None) -> dict:
+    async with Client(meta, transport=transport) as client:
+        out = bytearray(len(payload))
+        rates = []
+        for r in range(rounds + 1):  # the first round opens connections: not counted
+            if cold_files:
+                drop_cache(cold_files)
+            t0 = time.perf_counter()
+            match = await client.lookup(NS, prompt)
+            stats = await client.read(match, out).wait()
+            if r:
+                rates.append(stats.bytes / (time.perf_counter() - t0) / 1e9)
+        if bytes(out) != bytes(payload):
+            raise RuntimeError(f"{transport}: restored bytes differ from what was written")
+        singles = [dataclasses.replace(match, matched=1, blocks=[b]) for b in match.blocks]
+        lat: list[float] = []
+        order = list(range(len(singles))) * 2
+        random.shuffle(order)
+        bufs = [bytearray(layout.payload_bytes) for _ in range(concurrency)]
+
+        async def worker(k, mine):
+            for i in mine:
+                s = time.perf_counter()
+                await client.read(singles[i], bufs[k]).wait()
+                lat.append(time.perf_counter() - s)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k, order[k::concurrency]) for k in range(concurrency)))
+        concurrent_gbps = len(order) * layout.payload_bytes / (time.perf_counter() - t0) / 1e9
+        return {"transport": transport, "restore_gbps": rates, "restore_gbps_median": statistics.median(rates),
+                "concurrent_gbps": concurrent_gbps, "block_p50_ms": percentile(lat, 0.5) * 1e3,
+                "block_p99_ms": percentile(lat, 0.99) * 1e3}
+
+
+async def run_io(tokens: int, layers: int, transports: list[str], caches: list[str], rounds: int,
+                 concurrency: int, chunkservers: int, log=print) -> dict:
+    layout = BlockLayout.mla(layers=layers)
+    rng = random.Random(0)
+    prompt = [rng.randrange(100_000) for _ in range(tokens - tokens % layout.block_tokens)]
+    payload = bytearray(os.urandom(layout.buffer_bytes(len(prompt))))
+    report: dict = {"block_bytes": layout.payload_bytes, "blocks": len(prompt) // layout.block_tokens,
+                    "prefix_bytes": len(payload), "modes": {}}
+    report["socket_gbps"] = socket_copy(len(payload))
+    log(f"baseline: loopback socket copy {report['socket_gbps']:.2f} GB/s")
+    whole = layout.span_of(0, layout.payload_bytes)
+    blocks = []
+    for b in range(report["blocks"]):
+        block = bytearray(layout.payload_bytes)
+        for src, dst, n in layout.scatter(whole, b, len(prompt)):
+            block[src : src + n] = payload[dst : dst + n]
+        blocks.append(bytes(block))
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    try:
+        report["redis"] = await redis_get(blocks, concurrency, rounds, root)
+        del blocks
+        if report["redis"]:
+            log(f"baseline: redis GET {report['redis']['gbps']:.2f} GB/s, block p50 "
+                f"{report['redis']['block_p50_ms']:.2f} ms, p99 {report['redis']['block_p99_ms']:.2f} ms")
+        else:
+            log("baseline: redis skipped (needs redis-server on the PATH and the redis package)")
+        for cache in caches:
+            mode = "buffered" if cache == "warm" else "direct"
+            cluster = LocalCluster(root / cache, chunkservers=chunkservers, replicas=2, capacity="16GiB",
+                                   chunk_extra=["--io-mode", mode])
+            cluster.start()
+            try:
+                async with Client(cluster.meta_address) as client:
+                    await client.write(NS, prompt, payload, layout, "chat")
+                files = sorted((root / cache).glob("cs-*/slots/*/*.slots"))
+                if cache == "cold":
+                    drop_cache(files)
+                raw = await raw_disk(files, direct=cache == "cold")
+                entry = {"raw_gbps": raw, "transports": []}
+                log(f"{cache}: raw io_uring over the slot files {raw:.2f} GB/s")
+                for t in transports:
+                    res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
+                                               concurrency, files if cache == "cold" else None)
+                    entry["transports"].append(res)
+                    log(f"{cache} {t}: restore {res['restore_gbps_median']:.2f} GB/s; {concurrency} concurrent "
+                        f"single-block restores {res['concurrent_gbps']:.2f} GB/s, p50 {res['block_p50_ms']:.1f} ms, "
+                        f"p99 {res['block_p99_ms']:.1f} ms")
+                report["modes"][cache] = entry
+            finally:
+                cluster.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for cache, entry in report["modes"].items():
+        for res in entry["transports"]:
+            res["over_raw"] = res["restore_gbps_median"] / entry["raw_gbps"]
+            res["over_socket"] = res["restore_gbps_median"] / report["socket_gbps"]
+            if report["redis"]:
+                res["over_redis"] = res["restore_gbps_median"] / report["redis"]["gbps"]
+    return report

@@ -12,6 +12,7 @@ import platform
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 from rich.console import Console
@@ -19,44 +20,46 @@ from rich.table import Table
 
 from kvfs.config import parse_size
 
-from .io import default_root, run_io
+
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 
 
 def _io(args) -> int:
-    root = pathlib.Path(args.data_dir) if args.data_dir else default_root()
-    chunk = parse_size(args.chunk_size)
-    console.print(f"kvfs-bench io: {args.chunks} chunks of {chunk} bytes, ReadChunks batches of "
-                  f"{args.batch}, {args.concurrency} in flight, {args.rounds} rounds, data in {root}")
-    results = []
-    try:
-        for mode in args.modes.split(","):
-            results.append(asyncio.run(run_io(mode, args.chunks, chunk, args.batch, args.concurrency,
-                                              args.rounds, root, log=console.print)))
-    finally:
-        if not args.data_dir:
-            shutil.rmtree(root, ignore_errors=True)
-    table = Table(title="chunkserver reads: gRPC ReadChunks vs the raw io_uring reader (medians)")
-    for col in ("mode", "raw io_uring GB/s", "ReadChunks GB/s", "ReadChunks / raw", "write GB/s"):
+    from .io import run_io
+
+    console.print(f"kvfs-bench io: a {args.tokens}-token MLA prefix ({args.layers} layers) on {args.chunkservers} "
+                  f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}")
+    report = asyncio.run(run_io(args.tokens, args.layers, args.transport.split(","), args.cache.split(","),
+                                args.rounds, args.concurrency, args.chunkservers, log=console.print))
+    table = Table(title=f"restores of {report['prefix_bytes'] / 1e9:.2f} GB in {report['blocks']} blocks of "
+                        f"{report['block_bytes']} bytes (medians; ratios from this run)")
+    for col in ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis",
+                f"x{args.concurrency} GB/s", "block p50 ms", "block p99 ms"):
         table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(r.mode, f"{statistics.median(r.raw_gbps):.2f}", f"{statistics.median(r.grpc_gbps):.2f}",
-                      f"{r.ratio:.2f}", f"{r.write_gbps:.2f}")
+    for cache, entry in report["modes"].items():
+        for r in entry["transports"]:
+            table.add_row(cache, r["transport"], f"{r['restore_gbps_median']:.2f}", f"{r['over_raw']:.2f}",
+                          f"{r['over_socket']:.2f}", f"{r['over_redis']:.2f}" if "over_redis" in r else "-",
+                          f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}")
     console.print(table)
-    _write_json(args.json, {
-        "bench": "io", **_host(),
-        "config": {"chunks": args.chunks, "chunk_bytes": chunk, "batch": args.batch,
-                   "concurrency": args.concurrency, "rounds": args.rounds},
-        "results": [r.as_json() for r in results],
-    })
+    base = f"baselines: socket {report['socket_gbps']:.2f} GB/s"
+    base += "".join(f", raw disk {c} {e['raw_gbps']:.2f} GB/s" for c, e in report["modes"].items())
+    if report["redis"]:
+        base += (f", redis GET {report['redis']['gbps']:.2f} GB/s (block p50 {report['redis']['block_p50_ms']:.1f} "
+                 f"ms, p99 {report['redis']['block_p99_ms']:.1f} ms)")
+    console.print(base)
+    _write_json(args.json, {"bench": "io", **_host(), "config": {
+        "tokens": args.tokens, "layers": args.layers, "transports": args.transport.split(","),
+        "caches": args.cache.split(","), "rounds": args.rounds, "concurrency": args.concurrency,
+        "chunkservers": args.chunkservers}, "results": report})
     return 0
 
 
 def _prefix(args) -> int:
     from .prefix import run_prefix
 
-    root = pathlib.Path(args.data_dir) if args.data_dir else default_root()
+    root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-bench-"))
     console.print(f"kvfs-bench prefix: a {args.tokens}-token MLA prefix on {args.chunkservers} local chunkservers, "
                   f"{args.replicas} replicas, {args.rounds} rounds, data in {root}")
     try:
@@ -93,13 +96,15 @@ def _write_json(path: str | None, report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfs-bench", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    io = sub.add_parser("io", help="chunkserver ReadChunks throughput beside the raw disk reader")
-    io.add_argument("--chunks", type=int, default=256)
-    io.add_argument("--chunk-size", default="1MiB")
-    io.add_argument("--batch", type=int, default=8, help="ranges per ReadChunks call")
-    io.add_argument("--concurrency", type=int, default=16, help="calls in flight")
-    io.add_argument("--rounds", type=int, default=5)
-    io.add_argument("--modes", default="direct,buffered")
+    io = sub.add_parser("io", help="restore throughput and per-block latency per transport, beside the raw "
+                                   "disk, a loopback socket and Redis")
+    io.add_argument("--tokens", type=int, default=32768)
+    io.add_argument("--layers", type=int, default=27)
+    io.add_argument("--transport", default="grpc,tcp,shm", help="one or more of grpc,tcp,shm")
+    io.add_argument("--cache", default="warm,cold", help="warm (page cache), cold (O_DIRECT), or both")
+    io.add_argument("--rounds", type=int, default=3)
+    io.add_argument("--concurrency", type=int, default=16)
+    io.add_argument("--chunkservers", type=int, default=3)
     prefix = sub.add_parser("prefix", help="restore and write-back of one long MLA prefix on a local cluster, "
                                            "beside the raw disk reader; MatchPrefix latency")
     prefix.add_argument("--tokens", type=int, default=32768)
@@ -107,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix.add_argument("--lookup-blocks", type=int, default=2000)
     prefix.add_argument("--chunkservers", type=int, default=3)
     prefix.add_argument("--replicas", type=int, default=2)
+    prefix.add_argument("--data-dir", help="where servers keep data (default: a temp folder, removed)")
     for p in (io, prefix):
-        p.add_argument("--data-dir", help="where servers keep data (default: a temp folder, removed)")
         p.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     return _io(args) if args.cmd == "io" else _prefix(args)

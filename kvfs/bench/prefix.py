@@ -18,19 +18,12 @@ import random
 import statistics
 import time
 
-from kvfs.buffers import aligned_bytearray
-from kvfs.chunkserver.uring import UringReader  # the server's reader, used here without a server
 from kvfs.client import Client
 from kvfs.keys import Namespace
 from kvfs.launcher import LocalCluster
 from kvfs.layout import BlockLayout
 
-from .io import _raw_pass
-
-
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+from .io import percentile, raw_disk
 
 
 async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks: int, chunkservers: int,
@@ -43,7 +36,6 @@ async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks
     report: dict = {"tokens": tokens, "blocks": tokens // layout.block_tokens, "bytes": len(payload)}
     cluster = LocalCluster(root, chunkservers=chunkservers, replicas=replicas, capacity="16GiB")
     cluster.start()
-    reader = UringReader(256)
     try:
         async with Client(cluster.meta_address) as client:
             t0 = time.perf_counter()
@@ -54,7 +46,6 @@ async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks
                 f"in {write_s:.2f}s: {report['write_gbps']:.2f} GB/s of payload")
             files = sorted(root.glob("cs-*/slots/*/*.slots"))
             out = bytearray(len(payload))
-            buffers = [aligned_bytearray(1 << 20) for _ in range(128)]
             restore, raw = [], []
             for r in range(rounds):
                 t0 = time.perf_counter()
@@ -64,7 +55,7 @@ async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks
                 restore.append(stats.bytes / (time.perf_counter() - t0) / 1e9)
                 if r == 0 and bytes(out) != bytes(payload):
                     raise RuntimeError("restored bytes differ from what was written")
-                raw.append(await _raw_pass(reader, files, 1 << 20, True, 8, 16, buffers))
+                raw.append(await raw_disk(files, direct=True))
                 log(f"  round {r + 1}: restore {restore[-1]:.2f} GB/s, raw io_uring {raw[-1]:.2f} GB/s")
             report.update(restore_gbps=restore, raw_gbps=raw,
                           restore_gbps_median=statistics.median(restore), raw_gbps_median=statistics.median(raw),
@@ -80,13 +71,12 @@ async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks
                 total.append(time.perf_counter() - t0)
                 rpc.append(match.lookup_seconds)
             assert match.matched == lookup_blocks
-            report.update(lookup_blocks=lookup_blocks, lookup_rpc_ms_p50=_percentile(rpc, 0.5) * 1e3,
-                          lookup_rpc_ms_p99=_percentile(rpc, 0.99) * 1e3,
-                          lookup_total_ms_p50=_percentile(total, 0.5) * 1e3)
+            report.update(lookup_blocks=lookup_blocks, lookup_rpc_ms_p50=percentile(rpc, 0.5) * 1e3,
+                          lookup_rpc_ms_p99=percentile(rpc, 0.99) * 1e3,
+                          lookup_total_ms_p50=percentile(total, 0.5) * 1e3)
             log(f"MatchPrefix of {lookup_blocks} blocks: p50 {report['lookup_rpc_ms_p50']:.1f} ms "
                 f"(p99 {report['lookup_rpc_ms_p99']:.1f} ms); with client-side key hashing "
                 f"{report['lookup_total_ms_p50']:.1f} ms")
     finally:
-        reader.close()
         cluster.stop()
     return report
