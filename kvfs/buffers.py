@@ -12,8 +12,16 @@ import ctypes
 PAGE = 4096
 
 
-def address_of(buf: bytearray) -> int:
-    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
+def address_of(buf) -> int:
+    """The address of a writable buffer's first byte (bytearray, mmap, memoryview)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+
+
+def memmove(dst: int, src: int, n: int) -> None:
+    """Copies n bytes between addresses without holding the GIL (ctypes drops it
+    around foreign calls; a memoryview slice assignment keeps it), so receiver
+    threads and the event loop copy in parallel."""
+    ctypes.memmove(dst, src, n)
 
 
 def aligned_bytearray(n: int, align: int = PAGE) -> bytearray:

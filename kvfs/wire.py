@@ -18,8 +18,10 @@ Replies (server -> client), same request id:
 
 The data of a range is widened to whole 64 KiB checksum blocks (clamped to the
 chunk's end): [data start, data start + data length) covers the requested
-range, and the client verifies every block against its checksum before any of
-it is handed over. Codes are google.rpc codes (0 OK, 5 NOT_FOUND, ...).
+range. For READ the client verifies every block against its checksum before
+any of it is handed over; for READ_SHM the server has verified the bytes it put
+in the shared buffer, and answers DATA_LOSS (15) for a range that failed. Codes
+are google.rpc codes (0 OK, 5 NOT_FOUND, ...).
 """
 
 from __future__ import annotations
