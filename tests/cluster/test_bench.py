@@ -1,21 +1,40 @@
-"""kvfs-bench writes a report of the documented shape (never checked for speed)."""
+"""kvfs-bench writes reports of the documented shape (never checked for speed)."""
 
 import json
 import subprocess
 import sys
 
+BENCH = [sys.executable, "-m", "kvfs.bench.main"]
+
+
+def run(args, tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([*BENCH, *args, "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
 
 def test_io_bench_report_shape(tmp_path):
-    out = tmp_path / "io.json"
-    proc = subprocess.run([sys.executable, "-m", "kvfs.bench.main", "io", "--chunks", "32", "--rounds", "2",
-                           "--concurrency", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(out.read_text())
-    assert report["bench"] == "io"
-    assert report["config"] == {"chunks": 32, "chunk_bytes": 1 << 20, "batch": 8, "concurrency": 4, "rounds": 2}
-    assert [r["mode"] for r in report["results"]] == ["direct", "buffered"]
-    for r in report["results"]:
-        assert len(r["raw_gbps"]) == len(r["grpc_gbps"]) == 2
-        assert all(v > 0 for v in r["raw_gbps"] + r["grpc_gbps"] + [r["write_gbps"]])
-        assert abs(r["grpc_over_raw"] - r["grpc_gbps_median"] / r["raw_gbps_median"]) < 1e-9
-    assert "ReadChunks / raw" in proc.stdout
+    report, stdout = run(["io", "--tokens", "1024", "--layers", "4", "--rounds", "1", "--concurrency", "2",
+                          "--chunkservers", "2"], tmp_path)
+    assert report["bench"] == "io" and report["config"]["transports"] == ["grpc", "tcp", "shm"]
+    results = report["results"]
+    assert results["blocks"] == 16 and results["socket_gbps"] > 0
+    assert set(results["modes"]) == {"warm", "cold"}
+    for entry in results["modes"].values():
+        assert entry["raw_gbps"] > 0
+        assert [t["transport"] for t in entry["transports"]] == ["grpc", "tcp", "shm"]
+        for t in entry["transports"]:
+            assert len(t["restore_gbps"]) == 1 and t["block_p99_ms"] >= t["block_p50_ms"] > 0
+            assert abs(t["over_raw"] - t["restore_gbps_median"] / entry["raw_gbps"]) < 1e-9
+            assert abs(t["over_socket"] - t["restore_gbps_median"] / results["socket_gbps"]) < 1e-9
+            assert ("over_redis" in t) == (results["redis"] is not None)
+    assert "/ raw disk" in stdout
+
+
+def test_prefix_bench_report_shape(tmp_path):
+    report, stdout = run(["prefix", "--tokens", "1024", "--rounds", "1", "--lookup-blocks", "40"], tmp_path)
+    r = report["results"]
+    assert report["bench"] == "prefix" and r["blocks"] == 16 and r["lookup_blocks"] == 40
+    assert r["write_gbps"] > 0 and r["lookup_rpc_ms_p50"] > 0 and len(r["restore_gbps"]) == 1
+    assert abs(r["restore_over_raw"] - r["restore_gbps_median"] / r["raw_gbps_median"]) < 1e-9
