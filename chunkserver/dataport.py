@@ -28,6 +28,7 @@ import mmap
 import os
 import socket
 import socketserver
+import struct
 import threading
 
 from kvfs import wire
@@ -43,16 +44,6 @@ MAX_SHM = 4 << 30
 MAX_CONNECTIONS = 256
 SEND_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
-
-
-class _FileRange:
-    """What socket.sendfile needs of a file: its fd (offsets are explicit)."""
-
-    def __init__(self, fd: int):
-        self._fd = fd
-
-    def fileno(self) -> int:
-        return self._fd
 
 
 class _Closed(Exception):
@@ -80,17 +71,20 @@ class _Handler(socketserver.BaseRequestHandler):
         self.sock: socket.socket = self.request
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        # blocking syscalls with kernel timeouts: a Python-level timeout would put
+        # a poll() before every send and sendfile
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(IDLE_TIMEOUT), 0))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
 
     def handle(self) -> None:
         peer = self.client_address
         try:
             while True:
-                self.sock.settimeout(IDLE_TIMEOUT)
                 try:
                     raw = _recv_exact(self.sock, wire.HEADER.size)
-                except _Closed:
-                    return  # the client closed between requests
-                self.sock.settimeout(SEND_TIMEOUT)
+                except (_Closed, BlockingIOError):
+                    return  # the client closed, or stayed idle past IDLE_TIMEOUT
                 request_id = 0
                 try:
                     header = wire.parse_header(raw)
@@ -160,13 +154,21 @@ class _Handler(socketserver.BaseRequestHandler):
             elif self.store.io_mode == "buffered":
                 self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
                 for p, start, length in served:
-                    self.sock.sendfile(_FileRange(self.store.slots.fds(p.rec.slot).fd_io),
-                                       p.rec.slot.offset + start, length)
+                    self._sendfile(self.store.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + start, length)
                     self.store.count_read(length)
             else:
                 self._send_direct(header, replies, served)
         finally:
             self.store.release(plan)
+
+    def _sendfile(self, fd: int, offset: int, count: int) -> None:
+        out = self.sock.fileno()
+        while count:
+            sent = os.sendfile(out, fd, offset, count)
+            if sent == 0:
+                raise _Closed()
+            offset += sent
+            count -= sent
 
     def _send_direct(self, header, replies, served) -> None:
         ops = self.store.disk_reads([p for p, _, _ in served])

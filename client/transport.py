@@ -135,6 +135,23 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _recv_scattered(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fills every view, in order, from the socket (recvmsg_into: one syscall for many)."""
+    i = 0
+    while i < len(views):
+        batch = views[i : i + 512]  # under IOV_MAX
+        n = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        if n == 0:
+            raise ConnectionError("connection closed by the chunkserver")
+        for v in batch:  # skip what was filled; resume inside a partly filled view
+            if n >= len(v):
+                n -= len(v)
+                i += 1
+            else:
+                views[i] = v[n:]
+                break
+
+
 class _Connection:
     """One data-port connection: requests sent from the event loop, replies
     drained by a thread that places the bytes and then completes futures."""
@@ -286,20 +303,18 @@ class _Connection:
         return errors
 
     def _receive(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview) -> KvfsError | None:
-        verifier = wire.BlockVerifier(res.checksums)
+        # one recvmsg_into per range, scattering straight into the destination's
+        # pieces (plus scratch for the widening): no copies and few syscalls
         scratch = memoryview(self.scratch)
         head = spec.offset - res.data_start
-        if head:
-            _recv_exact(self.sock, scratch[:head])
-            verifier.feed(scratch[:head])
-        for _, dst, n in spec.pieces:
-            view = out[dst : dst + n]
-            _recv_exact(self.sock, view)
-            verifier.feed(view)
         tail = res.data_start + res.data_len - spec.offset - spec.length
+        views = ([scratch[:head]] if head else []) + [out[dst : dst + n] for _, dst, n in spec.pieces]
         if tail:
-            _recv_exact(self.sock, scratch[:tail])
-            verifier.feed(scratch[:tail])
+            views.append(scratch[wire.BLOCK : wire.BLOCK + tail])
+        _recv_scattered(self.sock, list(views))  # it trims its copy as views fill
+        verifier = wire.BlockVerifier(res.checksums)
+        for view in views:
+            verifier.feed(view)
         if not verifier.finish():
             log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
             return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")
