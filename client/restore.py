@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfs.buffers import byte_view
-from kvfs.errors import InvalidArgument, KvfsError, Unavailable
+from kvfs.errors import Internal, InvalidArgument, KvfsError, Unavailable
 from kvfs.layout import BlockLayout, ChunkSpan
 
 from .transport import ReadSpec, ServerInfo
@@ -142,7 +142,12 @@ class Restore:
 
     async def _read_batch(self, server: ServerInfo, batch: list[_Item]) -> None:
         transport = self._transport_for(server)
-        errors = await transport.read(server, [it.spec for it in batch], self._out)
+        try:
+            errors = await transport.read(server, [it.spec for it in batch], self._out)
+        except Exception as exc:  # a bug must fail the restore, not leave it waiting for ever
+            log.exception("restore: %s transport failed on %s", transport.name, server.address)
+            self._fail(Internal(f"{transport.name} transport failed on {server.address}: {exc!r}"))
+            return
         failed = [e for e in errors if e is not None]
         if failed:
             log.warning("restore: %d of %d chunks from %s failed (%s); trying other replicas",

@@ -166,7 +166,8 @@ class _Connection:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards pending; never held across I/O
+        self.send_lock = threading.Lock()
         self.dead: KvfsError | None = None
         self.scratch = bytearray(2 * wire.BLOCK)
         self.shm: mmap.mmap | None = None
@@ -202,9 +203,6 @@ class _Connection:
 
     def submit(self, specs: list[ReadSpec], out: memoryview, loop, region: int = -1) -> asyncio.Future:
         future = loop.create_future()
-        if self.dead is not None:
-            future.set_result([self.dead] * len(specs))
-            return future
         rid = next(self.ids)
         ranges = []
         offset = max(region, 0) * SHM_REGION
@@ -212,12 +210,18 @@ class _Connection:
             ranges.append(wire.Range(s.chunk_id, s.offset, s.length, offset))
             start, length = wire.widen(s.offset, s.length, s.chunk_length)
             offset += -(-length // 4096) * 4096
-        with self.lock:
+        frame = wire.encode_read(rid, ranges, shm=region >= 0)
+        with self.lock:  # checked under the lock: _fail either sees this request or ran before it
+            if self.dead is not None:
+                future.set_result([self.dead] * len(specs))
+                return future
             self.pending[rid] = _Pending(specs, out, loop, future, region)
-            try:
-                self.sock.sendall(wire.encode_read(rid, ranges, shm=region >= 0))
-            except OSError as err:
-                self._fail(Unavailable(f"data connection to {self.address} lost: {err}"))
+        try:
+            # a few hundred bytes: the send buffer takes it without blocking the loop
+            with self.send_lock:
+                self.sock.sendall(frame)
+        except OSError as err:
+            self._fail(Unavailable(f"data connection to {self.address} lost: {err}"))
         return future
 
     def close(self) -> None:
