@@ -50,6 +50,12 @@ class _Closed(Exception):
     pass
 
 
+def _fail_range(reply: wire.RangeResult, code: int, message: str) -> None:
+    reply.code, reply.message = code, message
+    reply.data_start = reply.data_len = 0
+    reply.checksums = ()
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -174,15 +180,12 @@ class _Handler(socketserver.BaseRequestHandler):
         ops = self.store.disk_reads([p for p, _, _ in served])
         try:
             done = self.store.reader.read_batch(ops).result() if ops else []
-            for (p, start, length), got in zip(served, done):
+            for (p, _, length), got in zip(served, done):
                 if got < length:
-                    reply = replies[p.index]
-                    reply.code, reply.message = 13, f"chunk {short_id(p.chunk_id)}: disk read failed ({got})"
-                    reply.data_start = reply.data_len = 0
-                    reply.checksums = ()
-                    log.error("data port: %s", reply.message)
+                    _fail_range(replies[p.index], 13, f"chunk {short_id(p.chunk_id)}: disk read failed ({got})")
+                    log.error("data port: %s", replies[p.index].message)
             self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
-            for (p, start, length), (_, _, buf) in zip(served, ops):
+            for (p, _, length), (_, _, buf) in zip(served, ops):
                 if replies[p.index].code == 0:
                     self.sock.sendall(memoryview(buf)[:length])
                     self.store.count_read(length)
@@ -198,11 +201,8 @@ class _Handler(socketserver.BaseRequestHandler):
             jobs = [(self.server.pool.submit(self._one_into_shm, view, p, start, length, ranges[p.index].shm_offset,
                                              replies[p.index]), replies[p.index])
                     for p, start, length in served]
-            for job, reply in jobs:
+            for job, _ in jobs:
                 job.result()
-                if reply.code:
-                    reply.data_start = reply.data_len = 0
-                    reply.checksums = ()
         finally:
             view.release()
         self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
@@ -211,15 +211,14 @@ class _Handler(socketserver.BaseRequestHandler):
                       reply: wire.RangeResult) -> None:
         span = -(-length // 4096) * 4096 if self.store.io_mode == "direct" else length  # O_DIRECT: whole pages
         if dst % 4096 or dst + span > len(view):
-            reply.code, reply.message = 3, f"shm offset {dst} (+{span}) is outside the shared buffer"
+            _fail_range(reply, 3, f"shm offset {dst} (+{span}) is outside the shared buffer")
             return
         got = os.preadv(self.store.slots.fds(p.rec.slot).fd_io, [view[dst : dst + span]], p.rec.slot.offset + start)
         if got < length:
-            reply.code, reply.message = 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})"
+            _fail_range(reply, 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})")
         elif not self._verified(view[dst : dst + length], reply.checksums):
             # the bytes are in the client's buffer, but it never uses a range that failed
-            reply.code = 15
-            reply.message = f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}"
+            _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
             self.store.count_checksum_error()
             log.error("data port: %s; not served", reply.message)
         else:

@@ -4,7 +4,6 @@ write back KV blocks."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import threading
 import time
 from collections.abc import Iterable, Sequence

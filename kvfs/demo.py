@@ -57,7 +57,7 @@ def make_prompts(n: int, seed: int, block_tokens: int) -> list[list[int]]:
     rng = random.Random(seed)
     families = [[rng.randrange(100_000) for _ in range(rng.randint(4, 16) * block_tokens)] for _ in range(10)]
     prompts = []
-    for i in range(n):
+    for _ in range(n):
         family = rng.choice(families)
         shared = family[: rng.randint(1, len(family) // block_tokens) * block_tokens]
         own = [rng.randrange(100_000) for _ in range(rng.randint(0, 2) * block_tokens + rng.randrange(block_tokens))]
@@ -84,8 +84,8 @@ async def run_workload(meta_address: str, prompts: list[list[int]], concurrency:
                 if match.matched:
                     out = bytearray(layout.buffer_bytes(match.tokens))
                     restore = client.read(match, out)
-                    async for layer in restore:
-                        pass  # an engine would start layer `layer` here
+                    async for _layer in restore:
+                        pass  # an engine would run this layer over the uncached suffix here
                     rs = await restore.wait()
                     stats.restored_bytes += rs.bytes
                     stats.restore_seconds.append(rs.seconds)

@@ -26,3 +26,19 @@ def layer_major(layout, block_payloads: list[bytes], tokens: int | None = None) 
         for src, dst, n in layout.scatter(whole, b, tokens):
             buf[dst : dst + n] = payload[src : src + n]
     return buf
+
+
+def tokens_for(n_blocks: int, seed: int, tail: int = 0, block_tokens: int = 64) -> list[int]:
+    """Deterministic token ids: n full blocks and a partial tail."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n_blocks * block_tokens + tail)]
+
+
+async def restore_all(client, match, layout, **kw):
+    """Restores a whole match; returns (buffer, layers in the order they became ready, stats)."""
+    out = bytearray(layout.buffer_bytes(match.tokens))
+    restore = client.read(match, out, **kw)
+    order = [layer async for layer in restore]
+    return out, order, await restore.wait()

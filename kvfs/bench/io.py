@@ -137,7 +137,7 @@ async def redis_get(blocks: list[bytes], concurrency: int, rounds: int, root: pa
                 break
             except Exception:
                 if time.monotonic() > deadline:
-                    raise LaunchError("redis-server did not start")
+                    raise LaunchError("redis-server did not start") from None
                 await asyncio.sleep(0.05)
         for i, b in enumerate(blocks):
             await client.set(f"b{i}", b)
@@ -251,7 +251,7 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                 cluster.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for cache, entry in report["modes"].items():
+    for entry in report["modes"].values():
         for res in entry["transports"]:
             res["over_raw"] = res["restore_gbps_median"] / entry["raw_gbps"]
             res["over_socket"] = res["restore_gbps_median"] / report["socket_gbps"]

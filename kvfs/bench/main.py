@@ -10,7 +10,6 @@ import os
 import pathlib
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -18,7 +17,6 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from kvfs.config import parse_size
 
 
 

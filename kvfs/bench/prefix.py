@@ -11,7 +11,6 @@ Measured in one run, side by side:
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pathlib
 import random

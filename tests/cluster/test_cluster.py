@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import random
 import shutil
 
 import grpc
@@ -14,24 +13,11 @@ from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-from helpers import layer_major, wait_until
+from helpers import layer_major, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v2-lite")
 MLA = BlockLayout.mla()  # 1.9 MB blocks, two chunks each
 SMALL = BlockLayout(layers=6, block_tokens=64, kv_dim=64, dtype="bfloat16")  # 48 KiB blocks, one chunk
-
-
-def tokens_for(n_blocks: int, seed: int, tail: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50_000) for _ in range(n_blocks * 64 + tail)]
-
-
-async def restore_all(client, match, layout):
-    out = bytearray(layout.buffer_bytes(match.tokens))
-    restore = client.read(match, out)
-    order = [layer async for layer in restore]
-    stats = await restore.wait()
-    return out, order, stats
 
 
 async def test_blocks_round_trip_across_three_chunkservers(local_cluster):

@@ -1,9 +1,7 @@
 """The bulk data path: every transport against real chunkservers, corruption,
 malformed frames, and clients that vanish mid-transfer."""
 
-import asyncio
 import os
-import random
 import socket
 
 import pytest
@@ -15,24 +13,15 @@ from kvfs.errors import Unavailable
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
-from helpers import wait_until
+from helpers import restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
 MiB = 1 << 20
 
 
-def tokens_for(n_blocks: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50_000) for _ in range(n_blocks * 64)]
-
-
 async def restore(client: Client, tokens, layout=MLA, **kw):
-    match = await client.lookup(NS, tokens)
-    out = bytearray(layout.buffer_bytes(match.tokens))
-    r = client.read(match, out, **kw)
-    order = [layer async for layer in r]
-    return out, order, await r.wait()
+    return await restore_all(client, await client.lookup(NS, tokens), layout, **kw)
 
 
 @pytest.mark.parametrize("mode", ["direct", "buffered"])
