@@ -222,6 +222,8 @@ class Client:
                 for address in placement.addresses:
                     jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh))
                 written += span.length
+        if not commit.blocks:  # another writer committed all of them since our lookup
+            return WriteResult(0, len(alloc.blocks), 0, time.perf_counter() - t0)
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:

@@ -247,3 +247,14 @@ def test_sync_client_and_buffer_pool_cpu_path(local_cluster):
         assert pool.get(SMALL.buffer_bytes(match.tokens)) is buf  # reused, not reallocated
         with pytest.raises(InvalidArgument, match="need"):
             client.read(match, bytearray(10))
+
+
+async def test_writing_blocks_that_are_all_present_commits_nothing(local_cluster):
+    cluster = local_cluster()
+    tokens = tokens_for(3, seed=30)
+    payload = os.urandom(SMALL.buffer_bytes(3 * 64))
+    async with Client(cluster.meta_address) as client:
+        assert (await client.write(NS, tokens, payload, SMALL)).committed == 3
+        again = await client.write(NS, tokens, payload, SMALL)  # a writer that lost the race entirely
+        assert (again.committed, again.already_present, again.bytes_written) == (0, 3, 0)
+        assert (await client.status()).open_allocations == 0
