@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
     demo.add_argument("--prompts", type=int, default=200)
-    demo.add_argument("--concurrency", type=int, default=4)
+    demo.add_argument("--concurrency", type=int, default=1, help="prompts served at once")
     demo.add_argument("--chunkservers", type=int, default=3)
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--seed", type=int, default=1)

@@ -118,7 +118,7 @@ def summary(stats: DemoStats, wall: float) -> list[str]:
         f"prompts served: {stats.prompts}, full blocks in them: {stats.prompt_blocks}",
         f"hit ratio: {stats.hit_blocks / max(1, stats.prompt_blocks):.1%} of blocks restored from kvfs",
         f"restored: {stats.restored_bytes / 1e9:.2f} GB in {len(stats.restore_seconds)} restores, "
-        f"{stats.restored_bytes / max(restore_time, 1e-9) / 1e9:.2f} GB/s per restore "
+        f"{stats.restored_bytes / max(restore_time, 1e-9) / 1e9:.2f} GB/s while restoring "
         f"(p50 {statistics.median(stats.restore_seconds or [0]) * 1000:.0f} ms)",
         f"written back: {stats.written_bytes / 1e9:.2f} GB of new blocks (x replicas on disk), "
         f"{stats.written_bytes / max(stats.write_seconds, 1e-9) / 1e9:.2f} GB/s per write-back",
