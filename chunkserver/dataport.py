@@ -32,6 +32,7 @@ import struct
 import threading
 
 from kvfs import wire
+from kvfs.buffers import PAGE, address_of
 from kvfs.errors import KvfsError
 
 from .store import ChunkStore, PlannedRead, short_id
@@ -48,6 +49,10 @@ IDLE_TIMEOUT = 600.0
 
 class _Closed(Exception):
     pass
+
+
+def _aligned(address: int, length: int) -> bool:
+    return address % 512 == 0 and length % 512 == 0
 
 
 def _fail_range(reply: wire.RangeResult, code: int, message: str) -> None:
@@ -73,7 +78,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def setup(self) -> None:
         self.store = self.server.store
-        self.shm: mmap.mmap | None = None
+        self.maps: dict[int, mmap.mmap] = {}  # registered shared buffers, by mapping index
         self.sock: socket.socket = self.request
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -108,13 +113,15 @@ class _Handler(socketserver.BaseRequestHandler):
         except (_Closed, OSError) as err:  # the client vanished or stopped reading
             log.info("data port: connection from %s ended: %s", peer, err.__class__.__name__)
         finally:
-            if self.shm is not None:
-                self.shm.close()
+            for m in self.maps.values():
+                m.close()
 
     # ---- shared memory -----------------------------------------------------
 
     def _register_shm(self, header: wire.Header, body: bytes) -> None:
         path, size = wire.parse_shm_register(header, body)
+        if header.flags >= wire.MAX_MAPPINGS:
+            raise wire.WireError(f"mapping {header.flags}: at most {wire.MAX_MAPPINGS} per connection")
         name = os.path.basename(path)
         if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or not 0 < size <= MAX_SHM:
             raise wire.WireError(f"shared buffer must be {SHM_DIR}/{SHM_PREFIX}* of 1..{MAX_SHM} bytes, "
@@ -130,17 +137,18 @@ class _Handler(socketserver.BaseRequestHandler):
         except OSError as err:
             self.sock.sendall(wire.encode_status(header.request_id, 5, f"cannot map {path}: {err.strerror}"))
             return
-        if self.shm is not None:
-            self.shm.close()
-        self.shm = shm
+        old = self.maps.pop(header.flags, None)
+        if old is not None:
+            old.close()
+        self.maps[header.flags] = shm
         self.sock.sendall(wire.encode_status(header.request_id, 0, ""))
 
     # ---- reads -------------------------------------------------------------
 
     def _read(self, header: wire.Header, ranges: list[wire.Range]) -> None:
         shm = header.kind == wire.READ_SHM
-        if shm and self.shm is None:
-            raise wire.WireError("READ_SHM before SHM_REGISTER", code=9)  # FAILED_PRECONDITION
+        if shm and any(r.mapping not in self.maps for r in ranges):
+            raise wire.WireError("READ_SHM into a mapping not registered with SHM_REGISTER", code=9)
         try:
             results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges])
         except KvfsError as err:
@@ -196,38 +204,73 @@ class _Handler(socketserver.BaseRequestHandler):
     def _read_into_shm(self, header, ranges, replies, served) -> None:
         # every range of the request is read at once (preadv in the server's pool,
         # which drops the GIL): the disk sees the whole batch, as io_uring would
-        view = memoryview(self.shm)
+        views = {k: memoryview(m) for k, m in self.maps.items()}
         try:
-            jobs = [(self.server.pool.submit(self._one_into_shm, view, p, start, length, ranges[p.index].shm_offset,
-                                             replies[p.index]), replies[p.index])
+            jobs = [self.server.pool.submit(self._one_into_shm, views[ranges[p.index].mapping],
+                                            ranges[p.index].pieces, p, start, length, replies[p.index])
                     for p, start, length in served]
-            for job, _ in jobs:
+            for job in jobs:
                 job.result()
         finally:
-            view.release()
+            for v in views.values():
+                v.release()
         self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
 
-    def _one_into_shm(self, view: memoryview, p: PlannedRead, start: int, length: int, dst: int,
+    def _one_into_shm(self, view: memoryview, pieces, p: PlannedRead, start: int, length: int,
                       reply: wire.RangeResult) -> None:
-        span = -(-length // 4096) * 4096 if self.store.io_mode == "direct" else length  # O_DIRECT: whole pages
-        if dst % 4096 or dst + span > len(view):
-            _fail_range(reply, 3, f"shm offset {dst} (+{span}) is outside the shared buffer")
+        """Reads the widened range [start, start + length): the requested bytes into
+        the pieces of the client's mapping, the widening into scratch; verifies all."""
+        if any(off + n > len(view) for off, n in pieces):
+            _fail_range(reply, 3, "a piece lies outside the registered shared buffer")
             return
-        got = os.preadv(self.store.slots.fds(p.rec.slot).fd_io, [view[dst : dst + span]], p.rec.slot.offset + start)
-        if got < length:
-            _fail_range(reply, 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})")
-        elif not self._verified(view[dst : dst + length], reply.checksums):
-            # the bytes are in the client's buffer, but it never uses a range that failed
-            _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
-            self.store.count_checksum_error()
-            log.error("data port: %s; not served", reply.message)
-        else:
-            self.store.count_read(length)
+        if p.length != sum(n for _, n in pieces):
+            _fail_range(reply, 3, f"pieces hold {sum(n for _, n in pieces)} bytes, the range {p.length}")
+            return
+        fd = self.store.slots.fds(p.rec.slot).fd_io
+        head, tail = p.offset - start, start + length - p.offset - p.length
+        direct = self.store.io_mode == "direct"
+        span = -(-length // PAGE) * PAGE if direct else length  # O_DIRECT: whole pages
+        scratch = self.store.get_buffer(2 * wire.BLOCK + PAGE)
+        try:
+            sv = memoryview(scratch)
+            targets = [view[off : off + n] for off, n in pieces]
+            iov = ([sv[:head]] if head else []) + targets + ([sv[wire.BLOCK : wire.BLOCK + tail]] if tail else [])
+            # what O_DIRECT reads past the range's end (to a page) lands after the tail
+            reads = iov[:-1] + [sv[wire.BLOCK : wire.BLOCK + tail + span - length]] if tail else \
+                iov + ([sv[wire.BLOCK : wire.BLOCK + span - length]] if span > length else [])
+            if direct and not all(_aligned(address_of(v), len(v)) for v in reads):
+                got = self._bounce(fd, p.rec.slot.offset + start, span, iov)  # O_DIRECT cannot read there
+            else:
+                got = os.preadv(fd, reads, p.rec.slot.offset + start)
+            if got < length:
+                _fail_range(reply, 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})")
+            elif not self._verified(iov, reply.checksums):
+                # the bytes are in the client's buffer, but it never uses a range that failed
+                _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
+                self.store.count_checksum_error()
+                log.error("data port: %s; not served", reply.message)
+            else:
+                self.store.count_read(length)
+        finally:
+            self.store.put_buffer(scratch)
+
+    def _bounce(self, fd: int, offset: int, span: int, iov: list[memoryview]) -> int:
+        buf = self.store.get_buffer(max(span, 2 * PAGE))
+        try:
+            got = os.preadv(fd, [memoryview(buf)[:span]], offset)
+            pos = 0
+            for v in iov:
+                v[:] = memoryview(buf)[pos : pos + len(v)]
+                pos += len(v)
+            return got
+        finally:
+            self.store.put_buffer(buf)
 
     @staticmethod
-    def _verified(data: memoryview, checksums: tuple[int, ...]) -> bool:
+    def _verified(views: list[memoryview], checksums: tuple[int, ...]) -> bool:
         verifier = wire.BlockVerifier(checksums)
-        verifier.feed(data)
+        for v in views:
+            verifier.feed(v)
         return verifier.finish()
 
 

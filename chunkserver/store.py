@@ -384,6 +384,10 @@ class ChunkStore:
                         self._pool.get((b1 - b0) * BLOCK)))
         return ops
 
+    def get_buffer(self, n: int) -> bytearray:
+        """A pooled page-aligned buffer of n (>= 8192) bytes; give it back with put_buffer."""
+        return self._pool.get(n)
+
     def put_buffer(self, buf: bytearray) -> None:
         self._pool.put(buf)
 

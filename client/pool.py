@@ -2,23 +2,98 @@
 
 With CUDA, buffers are pinned (page-locked) torch tensors, so a restore's bytes
 can go to the GPU by DMA. Without CUDA (`torch.empty(pin_memory=True)` raises
-there), they are page-aligned anonymous mappings viewed as torch tensors.
+there), they come from a shared-memory arena (a sparse /dev/shm file mapped by
+this process): chunkservers on the same host map the arena too and read from
+disk straight into a restore's buffer, with no copy on the client. Past the
+arena's size, buffers are plain page-aligned anonymous mappings.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import mmap
+import os
 import threading
+import uuid
+import weakref
+
+from kvfs.buffers import PAGE, address_of
+
+
+class SharedArena:
+    """A sparse /dev/shm file mapped here, carved into page-aligned buffers.
+
+    Its path stays in /dev/shm while the arena lives (chunkservers open it by
+    name when a connection registers it) and is removed on close or at exit.
+    """
+
+    def __init__(self, size: int):
+        self.path = f"/dev/shm/kvfs-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)  # sparse: pages exist only once written
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.address = address_of(self.map)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        atexit.register(self._finalizer)
+
+    def allocate(self, nbytes: int) -> memoryview | None:
+        with self._lock:
+            start = self._next
+            end = start + -(-nbytes // PAGE) * PAGE
+            if end > self.size:
+                return None
+            self._next = end
+        return memoryview(self.map)[start : start + nbytes]
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """Where [address, address + nbytes) lies in the arena, if it does."""
+        off = address - self.address
+        return off if 0 <= off and off + nbytes <= self.size else None
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+_arenas: weakref.WeakSet[SharedArena] = weakref.WeakSet()
+
+
+def arena_of(address: int, nbytes: int) -> tuple[SharedArena, int] | None:
+    """The arena holding a buffer, and the buffer's offset in it."""
+    for arena in list(_arenas):
+        off = arena.offset_of(address, nbytes)
+        if off is not None:
+            return arena, off
+    return None
+
+
+def current_arena() -> SharedArena | None:
+    arenas = list(_arenas)
+    return arenas[0] if arenas else None
 
 
 class BufferPool:
     """Hands out uint8 torch tensors of a requested size and takes them back.
 
-    Up to `max_bytes` of returned buffers are kept for reuse.
+    Up to `max_bytes` of returned buffers are kept for reuse. Without CUDA the
+    first `arena_bytes` of buffers come from a shared-memory arena (see above);
+    `arena_bytes=0` turns that off.
     """
 
-    def __init__(self, max_bytes: int = 4 << 30, pinned: bool | None = None):
+    def __init__(self, max_bytes: int = 4 << 30, pinned: bool | None = None, arena_bytes: int = 4 << 30):
         import torch
 
         self._torch = torch
@@ -29,6 +104,10 @@ class BufferPool:
         self._free: dict[int, list] = collections.defaultdict(list)
         self._kept = 0
         self._lock = threading.Lock()
+        self.arena = None
+        if not self.pinned and arena_bytes and os.path.isdir("/dev/shm"):
+            self.arena = SharedArena(arena_bytes)
+            _arenas.add(self.arena)
 
     def get(self, nbytes: int):
         """A uint8 tensor of `nbytes` (contents undefined)."""
@@ -41,8 +120,10 @@ class BufferPool:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        # anonymous mappings are page-aligned; the tensor keeps its mapping alive
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        region = self.arena.allocate(nbytes) if self.arena else None
+        if region is None:  # anonymous mappings are page-aligned too
+            region = mmap.mmap(-1, nbytes)
+        return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps its memory alive
 
     def put(self, tensor) -> None:
         """Returns a buffer from get() for reuse."""

@@ -8,10 +8,11 @@ One small interface, three implementations:
                  connections per server, each drained by a thread that receives
                  every range with recv_into straight into its places in the
                  destination buffer and verifies its 64 KiB blocks as they land;
-  ShmTransport   same host: each connection registers a /dev/shm buffer; the
-                 server reads from disk straight into it and verifies it there,
-                 the socket carries only requests and completions, and the
-                 client copies verified ranges into the destination.
+  ShmTransport   same host: each connection registers a /dev/shm staging
+                 buffer and the process's BufferPool arena; the server reads
+                 from disk straight into the destination when it lies in the
+                 arena (else into staging, copied out), verifies the bytes there,
+                 and the socket carries only requests and completions.
 
 A range that fails (missing, corrupt, server gone) comes back as an error for
 that range only; the restore retries it on another replica. Bytes that fail
@@ -37,6 +38,7 @@ from kvfs.buffers import address_of, memmove
 from kvfs.errors import DataLoss, KvfsError, Unavailable, from_code
 
 from .chunks import ChunkClient
+from .pool import arena_of, current_arena
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,8 @@ class _Pending:
     out: memoryview
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    region: int = -1  # shm region, if any
+    region: int = -1  # shm staging region, if any
+    zero_copy: bool = False  # the server wrote straight into `out`
     errors: list = field(default_factory=list)
 
 
@@ -156,7 +159,7 @@ class _Connection:
     """One data-port connection: requests sent from the event loop, replies
     drained by a thread that places the bytes and then completes futures."""
 
-    def __init__(self, address: str, shm_regions: int = 0):
+    def __init__(self, address: str, shm_regions: int = 0, arena=None):
         host, port = address.rsplit(":", 1)
         self.address = address
         self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT)
@@ -172,30 +175,36 @@ class _Connection:
         self.scratch = bytearray(2 * wire.BLOCK)
         self.shm: mmap.mmap | None = None
         self.shm_address = 0
+        self.arena = None  # the client's buffer arena, when this server has mapped it
+        self.shm_ranges = [0, 0]  # ranges served through staging, and straight into the destination
         if shm_regions:
-            self._register_shm(shm_regions * SHM_REGION)
+            path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, shm_regions * SHM_REGION)
+                self.shm = mmap.mmap(fd, shm_regions * SHM_REGION)
+                self._register(path, shm_regions * SHM_REGION, 0)
+            finally:
+                os.close(fd)
+                os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
             self.shm_address = address_of(self.shm)
+            if arena is not None:
+                self._register(arena.path, arena.size, 1)
+                self.arena = arena
         self.thread = threading.Thread(target=self._drain, name=f"kvfs-data-{address}", daemon=True)
         self.thread.start()
 
-    def _register_shm(self, size: int) -> None:
-        path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.shm = mmap.mmap(fd, size)
-            self.sock.sendall(wire.encode_shm_register(0, path, size))
-            header = bytearray(wire.HEADER.size)
-            _recv_exact(self.sock, memoryview(header))
-            h = wire.parse_header(bytes(header), requests=False)
-            body = bytearray(h.body_len)
-            _recv_exact(self.sock, memoryview(body))
-            code, message = wire.parse_status(h, bytes(body))
-            if code:
-                raise from_code(code, f"{self.address} refused the shared buffer: {message}")
-        finally:
-            os.close(fd)
-            os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
+    def _register(self, path: str, size: int, mapping: int) -> None:
+        """SHM_REGISTER, before the drain thread starts (so the reply is ours to read)."""
+        self.sock.sendall(wire.encode_shm_register(0, path, size, mapping))
+        header = bytearray(wire.HEADER.size)
+        _recv_exact(self.sock, memoryview(header))
+        h = wire.parse_header(bytes(header), requests=False)
+        body = bytearray(h.body_len)
+        _recv_exact(self.sock, memoryview(body))
+        code, message = wire.parse_status(h, bytes(body))
+        if code:
+            raise from_code(code, f"{self.address} refused the shared buffer: {message}")
 
     @property
     def load(self) -> int:
@@ -205,17 +214,26 @@ class _Connection:
         future = loop.create_future()
         rid = next(self.ids)
         ranges = []
-        offset = max(region, 0) * SHM_REGION
-        for s in specs:
-            ranges.append(wire.Range(s.chunk_id, s.offset, s.length, offset))
-            start, length = wire.widen(s.offset, s.length, s.chunk_length)
-            offset += -(-length // 4096) * 4096
+        zero_copy = False
+        if region >= 0:
+            found = self.arena and arena_of(address_of(out), len(out))
+            zero_copy = bool(found) and found[0] is self.arena
+            offset = region * SHM_REGION
+            for s in specs:
+                if zero_copy:  # the server reads straight into the destination
+                    pieces = tuple((found[1] + dst, n) for _, dst, n in s.pieces)
+                    ranges.append(wire.Range(s.chunk_id, s.offset, s.length, 1, pieces))
+                else:  # into this connection's staging region, copied out on completion
+                    ranges.append(wire.Range(s.chunk_id, s.offset, s.length, 0, ((offset, s.length),)))
+                    offset += -(-s.length // 4096) * 4096
+        else:
+            ranges = [wire.Range(s.chunk_id, s.offset, s.length) for s in specs]
         frame = wire.encode_read(rid, ranges, shm=region >= 0)
         with self.lock:  # checked under the lock: _fail either sees this request or ran before it
             if self.dead is not None:
                 future.set_result([self.dead] * len(specs))
                 return future
-            self.pending[rid] = _Pending(specs, out, loop, future, region)
+            self.pending[rid] = _Pending(specs, out, loop, future, region, zero_copy)
         try:
             # a few hundred bytes: the send buffer takes it without blocking the loop
             with self.send_lock:
@@ -288,22 +306,26 @@ class _Connection:
 
     def _place(self, p: _Pending, results: list[wire.RangeResult]) -> list:
         errors: list[KvfsError | None] = []
-        shm_at = p.region * SHM_REGION
+        staged = p.region * SHM_REGION
         for spec, res in zip(p.specs, results):
+            at = staged
+            staged += -(-spec.length // 4096) * 4096
             if res.code:
                 errors.append(from_code(res.code, f"{res.message} (from {self.address})"))
-                if p.region >= 0:
-                    shm_at += -(-wire.widen(spec.offset, spec.length, spec.chunk_length)[1] // 4096) * 4096
                 continue
             end = spec.offset + spec.length
             if res.data_start > spec.offset or res.data_start + res.data_len < end:
                 raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) misses the range "
                                      f"[{spec.offset}, {end})")
-            if p.region >= 0:
-                errors.append(self._place_from_shm(spec, res, p.out, shm_at))
-                shm_at += -(-res.data_len // 4096) * 4096
-            else:
+            if p.region < 0:
                 errors.append(self._receive(spec, res, p.out))
+            else:  # the server verified the bytes (wire.py); staged ones are copied out
+                self.shm_ranges[p.zero_copy] += 1
+                if not p.zero_copy:
+                    out_address = address_of(p.out)
+                    for src, dst, n in spec.pieces:
+                        memmove(out_address + dst, self.shm_address + at + src, n)
+                errors.append(None)
         return errors
 
     def _receive(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview) -> KvfsError | None:
@@ -322,14 +344,6 @@ class _Connection:
         if not verifier.finish():
             log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
             return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")
-        return None
-
-    def _place_from_shm(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview, at: int):
-        # the server verified these bytes in the shared buffer (wire.py): copy them out
-        base = self.shm_address + at + spec.offset - res.data_start
-        out_address = address_of(out)
-        for src, dst, n in spec.pieces:
-            memmove(out_address + dst, base + src, n)
         return None
 
 
@@ -355,7 +369,8 @@ class TcpTransport:
             if len(conns) < self.connections:
                 try:
                     conn = await asyncio.get_running_loop().run_in_executor(
-                        None, _Connection, address, self.shm_regions)
+                        None, _Connection, address, self.shm_regions,
+                        current_arena() if self.shm_regions else None)
                 except (OSError, KvfsError) as err:
                     if not conns:
                         raise Unavailable(f"cannot open a data connection to {address}: {err}") from None
@@ -388,8 +403,14 @@ class ShmTransport(TcpTransport):
     name = "shm"
     shm_regions = SHM_REGIONS
 
+    @property
+    def ranges(self) -> dict[str, int]:
+        """How many ranges went through staging and how many straight into the destination."""
+        conns = [c for cs in self._conns.values() for c in cs]
+        return {"staged": sum(c.shm_ranges[0] for c in conns), "zero_copy": sum(c.shm_ranges[1] for c in conns)}
+
     async def read(self, server, specs, out):
-        need = sum(-(-wire.widen(s.offset, s.length, s.chunk_length)[1] // 4096) * 4096 for s in specs)
+        need = sum(-(-s.length // 4096) * 4096 for s in specs)
         if need > SHM_REGION:  # larger than a region: send it the TCP way on the same connection
             return await super().read(server, specs, out)
         try:

@@ -6,8 +6,10 @@ Every frame starts with a 24-byte header, little-endian:
 
 Requests (client -> server):
   READ          count ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
-  READ_SHM      count ranges: as READ, then shm offset u64 (where the data goes)
-  SHM_REGISTER  path_len u16, path, size u64: map this /dev/shm file for READ_SHM
+  READ_SHM      count ranges: as READ (length > 0), then mapping u8, n u16 and n pieces
+                (offset u64 in the mapping, length u32) that the range's bytes fill in order
+  SHM_REGISTER  path_len u16, path, size u64: map this /dev/shm file as mapping `flags`
+                (0: the connection's staging buffer, 1: the client's buffer arena)
 Replies (server -> client), same request id:
   READ_REPLY    count range results: code u16, msg_len u16, message, data start u64,
                 data length u64, chunk length u64, n u32, n x xxh3-64 of the 64 KiB
@@ -19,8 +21,10 @@ Replies (server -> client), same request id:
 The data of a range is widened to whole 64 KiB checksum blocks (clamped to the
 chunk's end): [data start, data start + data length) covers the requested
 range. For READ the client verifies every block against its checksum before
-any of it is handed over; for READ_SHM the server has verified the bytes it put
-in the shared buffer, and answers DATA_LOSS (15) for a range that failed. Codes
+any of it is handed over. For READ_SHM the server reads the widened range, puts
+the requested bytes into the pieces (straight into the client's destination
+when that lies in its registered arena) and the widening into its own scratch,
+verifies every block, and answers DATA_LOSS (15) for a range that failed. Codes
 are google.rpc codes (0 OK, 5 NOT_FOUND, ...).
 """
 
@@ -42,11 +46,14 @@ REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER)
 BLOCK = 64 * 1024
 MAX_ID = 64
 MAX_RANGES = 4096
-MAX_BODY = MAX_RANGES * (1 + MAX_ID + 24) + 64  # the largest legal request body
+MAX_PIECES = 1024  # per READ_SHM range
+MAX_MAPPINGS = 2
+MAX_BODY = 4 << 20  # the largest request body a server reads
 MAX_MESSAGE = 1024
 
 _RANGE = struct.Struct("<QQ")
-_SHM_RANGE = struct.Struct("<QQQ")
+_SHM_RANGE = struct.Struct("<QQBH")
+_PIECE = struct.Struct("<QI")
 _RESULT = struct.Struct("<HH")
 _DATA = struct.Struct("<QQQI")
 # the largest legal reply body: every range with a full message and a 64 MiB chunk's checksums
@@ -76,7 +83,8 @@ class Range:
     chunk_id: bytes
     offset: int
     length: int
-    shm_offset: int = 0  # READ_SHM only
+    mapping: int = 0  # READ_SHM only: which registered mapping, and where in it
+    pieces: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -116,8 +124,12 @@ def parse_header(raw: bytes | memoryview, requests: bool = True) -> Header:
 def encode_read(request_id: int, ranges: list[Range], shm: bool = False) -> bytes:
     parts = []
     for r in ranges:
-        parts += [bytes([len(r.chunk_id)]), r.chunk_id,
-                  _SHM_RANGE.pack(r.offset, r.length, r.shm_offset) if shm else _RANGE.pack(r.offset, r.length)]
+        parts += [bytes([len(r.chunk_id)]), r.chunk_id]
+        if shm:
+            parts.append(_SHM_RANGE.pack(r.offset, r.length, r.mapping, len(r.pieces)))
+            parts += [_PIECE.pack(off, n) for off, n in r.pieces]
+        else:
+            parts.append(_RANGE.pack(r.offset, r.length))
     body = b"".join(parts)
     return encode_header(READ_SHM if shm else READ, request_id, len(ranges), len(body)) + body
 
@@ -139,17 +151,29 @@ def parse_ranges(header: Header, body: bytes | memoryview) -> list[Range]:
             raise WireError(f"body ends inside range {i}")
         chunk_id = bytes(body[pos + 1 : pos + 1 + n])
         values = fixed.unpack_from(body, pos + 1 + n)
-        out.append(Range(chunk_id, *values))
+        if header.kind == READ_SHM:
+            offset, length, mapping, npieces = values
+            if length == 0 or mapping >= MAX_MAPPINGS or not 0 < npieces <= MAX_PIECES:
+                raise WireError(f"range {i}: mapping {mapping} or {npieces} pieces out of bounds")
+            if end + npieces * _PIECE.size > len(body):
+                raise WireError(f"body ends inside the pieces of range {i}")
+            pieces = tuple(_PIECE.unpack_from(body, end + k * _PIECE.size) for k in range(npieces))
+            if sum(n for _, n in pieces) != length:
+                raise WireError(f"range {i}: pieces hold {sum(n for _, n in pieces)} bytes, the range {length}")
+            end += npieces * _PIECE.size
+            out.append(Range(chunk_id, offset, length, mapping, pieces))
+        else:
+            out.append(Range(chunk_id, *values))
         pos = end
     if pos != len(body):
         raise WireError(f"{len(body) - pos} stray bytes after {header.count} ranges")
     return out
 
 
-def encode_shm_register(request_id: int, path: str, size: int) -> bytes:
+def encode_shm_register(request_id: int, path: str, size: int, mapping: int = 0) -> bytes:
     raw = path.encode()
     body = struct.pack("<H", len(raw)) + raw + struct.pack("<Q", size)
-    return encode_header(SHM_REGISTER, request_id, 0, len(body)) + body
+    return encode_header(SHM_REGISTER, request_id, 0, len(body), flags=mapping) + body
 
 
 def parse_shm_register(header: Header, body: bytes | memoryview) -> tuple[str, int]:

@@ -29,9 +29,9 @@ import tempfile
 import threading
 import time
 
-from kvfs.buffers import aligned_bytearray
+from kvfs.buffers import aligned_bytearray, byte_view
 from kvfs.chunkserver.uring import UringReader  # the server's reader, used here without a server
-from kvfs.client import Client
+from kvfs.client import BufferPool, Client
 from kvfs.keys import Namespace
 from kvfs.launcher import LocalCluster, LaunchError
 from kvfs.layout import BlockLayout
@@ -166,8 +166,11 @@ async def redis_get(blocks: list[bytes], concurrency: int, rounds: int, root: pa
 
 async def transport_pass(meta: str, transport: str, prompt: list[int], payload: bytearray, layout: BlockLayout,
                          rounds: int, concurrency: int, cold_files: list[pathlib.Path] | None) -> dict:
+    # restores land in BufferPool memory, as an engine's would (with shm, the
+    # chunkservers read straight into it)
+    pool = BufferPool(arena_bytes=len(payload) + (concurrency + 1) * layout.payload_bytes)
     async with Client(meta, transport=transport) as client:
-        out = bytearray(len(payload))
+        out = pool.get(len(payload))
         rates = []
         for r in range(rounds + 1):  # the first round opens connections: not counted
             if cold_files:
@@ -177,13 +180,13 @@ async def transport_pass(meta: str, transport: str, prompt: list[int], payload: 
             stats = await client.read(match, out).wait()
             if r:
                 rates.append(stats.bytes / (time.perf_counter() - t0) / 1e9)
-        if bytes(out) != bytes(payload):
+        if bytes(byte_view(out)) != bytes(payload):
             raise RuntimeError(f"{transport}: restored bytes differ from what was written")
         singles = [dataclasses.replace(match, matched=1, blocks=[b]) for b in match.blocks]
         lat: list[float] = []
         order = list(range(len(singles))) * 2
         random.shuffle(order)
-        bufs = [bytearray(layout.payload_bytes) for _ in range(concurrency)]
+        bufs = [pool.get(layout.payload_bytes) for _ in range(concurrency)]
 
         async def worker(k, mine):
             for i in mine:

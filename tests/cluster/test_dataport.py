@@ -114,7 +114,7 @@ async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkserve
         (b"GET / HTTP/1.1\r\n\r\n" + bytes(10), 3, "magic"),
         (wire.encode_header(wire.READ, 5, wire.MAX_RANGES + 1, 0), 3, "ranges"),
         (wire.encode_header(wire.READ, 6, 2, 9) + b"\x00" * 9, 3, "chunk id length"),
-        (wire.encode_read(7, [wire.Range(b"known", 0, 0)], shm=True), 9, "SHM_REGISTER"),
+        (wire.encode_read(7, [wire.Range(b"known", 0, 10, 0, ((0, 10),))], shm=True), 9, "SHM_REGISTER"),
         (wire.encode_shm_register(8, "/etc/passwd", 100), 3, "/dev/shm"),
     ]
     for frame, code, text in cases:
@@ -187,3 +187,36 @@ async def test_dead_data_port_is_retried_on_other_replicas(local_cluster):
 def test_same_host_detection():
     assert is_local("127.0.0.1:7000") and is_local("localhost:1") and is_local("[::1]:5")
     assert not is_local("192.0.2.1:7000")  # TEST-NET-1: never this host
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+async def test_shm_reads_straight_into_buffer_pool_memory(local_cluster, mode):
+    from kvfs.client import BufferPool
+
+    pool = BufferPool(arena_bytes=256 * MiB)  # before the client connects: connections register its arena
+    cluster = local_cluster(chunk_extra=["--io-mode", mode])
+    tokens = tokens_for(5, seed=7)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport="shm") as client:
+        await client.write(NS, tokens, payload, MLA)
+        match = await client.lookup(NS, tokens)
+        buf = pool.get(MLA.buffer_bytes(match.tokens))
+        order = [layer async for layer in client.read(match, buf)]
+        assert bytes(buf.numpy()) == payload and order == list(range(MLA.layers))
+        counts = client._transports["shm"].ranges
+        assert counts["zero_copy"] == 10 and counts["staged"] == 0  # 5 blocks x 2 chunks, no copies
+        # sub-ranges that start inside a checksum block: the server keeps the widening to itself
+        sub = pool.get(MLA.buffer_bytes(match.tokens))
+        await client.read(match, sub, layers=[1, 15, 26]).wait()
+        stride = match.tokens * MLA.row_bytes
+        for layer in (1, 15, 26):
+            assert bytes(sub.numpy()[layer * stride : (layer + 1) * stride]) == payload[layer * stride : (layer + 1) * stride]
+        # a destination outside the arena is staged and copied
+        plain = bytearray(len(payload))
+        await client.read(match, plain).wait()
+        assert bytes(plain) == payload and client._transports["shm"].ranges["staged"] == 10
+        # a corrupt replica is caught by the server before the client uses the bytes
+        flip_byte_in_every_chunk_on(cluster.root / "cs-0")
+        again = pool.get(MLA.buffer_bytes(match.tokens))
+        stats = await client.read(await client.lookup(NS, tokens), again).wait()
+        assert bytes(again.numpy()) == payload and stats.retries > 0

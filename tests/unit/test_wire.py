@@ -11,8 +11,12 @@ from hypothesis import strategies as st
 from kvfs import wire
 
 ids = st.binary(min_size=1, max_size=wire.MAX_ID)
-ranges = st.lists(st.builds(wire.Range, ids, st.integers(0, 2**63), st.integers(0, 2**63),
-                            st.integers(0, 2**63)), max_size=50)
+ranges = st.lists(st.builds(wire.Range, ids, st.integers(0, 2**63), st.integers(0, 2**63)), max_size=50)
+pieces = st.lists(st.tuples(st.integers(0, 2**63), st.integers(1, 2**32 - 1)), min_size=1, max_size=20)
+shm_ranges = st.lists(st.builds(lambda cid, off, mapping, ps: wire.Range(cid, off, sum(n for _, n in ps), mapping,
+                                                                         tuple(ps)),
+                                ids, st.integers(0, 2**63), st.integers(0, wire.MAX_MAPPINGS - 1), pieces),
+                      max_size=30)
 
 
 def split(frame: bytes):
@@ -20,14 +24,27 @@ def split(frame: bytes):
     return header, frame[wire.HEADER.size :]
 
 
-@given(ranges, st.booleans(), st.integers(0, 2**64 - 1))
-def test_read_requests_round_trip(rs, shm, rid):
-    header, body = split(wire.encode_read(rid, rs, shm=shm))
-    assert (header.kind, header.request_id, header.count) == (wire.READ_SHM if shm else wire.READ, rid, len(rs))
-    parsed = wire.parse_ranges(header, body)
-    assert [(r.chunk_id, r.offset, r.length) for r in parsed] == [(r.chunk_id, r.offset, r.length) for r in rs]
-    if shm:
-        assert [r.shm_offset for r in parsed] == [r.shm_offset for r in rs]
+@given(ranges, st.integers(0, 2**64 - 1))
+def test_read_requests_round_trip(rs, rid):
+    header, body = split(wire.encode_read(rid, rs))
+    assert (header.kind, header.request_id, header.count) == (wire.READ, rid, len(rs))
+    assert wire.parse_ranges(header, body) == rs
+
+
+@given(shm_ranges)
+def test_shm_read_requests_round_trip(rs):
+    header, body = split(wire.encode_read(3, rs, shm=True))
+    assert header.kind == wire.READ_SHM and wire.parse_ranges(header, body) == rs
+
+
+def test_shm_pieces_must_add_up_to_the_range():
+    bad = wire.Range(b"c", 0, 100, 0, ((0, 60), (4096, 30)))
+    header, body = split(wire.encode_read(1, [bad], shm=True))
+    with pytest.raises(wire.WireError, match="pieces hold 90 bytes"):
+        wire.parse_ranges(header, body)
+    header, body = split(wire.encode_read(1, [wire.Range(b"c", 0, 10, 5, ((0, 10),))], shm=True))
+    with pytest.raises(wire.WireError, match="mapping 5"):
+        wire.parse_ranges(header, body)
 
 
 def test_replies_and_statuses_round_trip():
@@ -38,9 +55,9 @@ def test_replies_and_statuses_round_trip():
     frame = wire.encode_status(4, 3, "bad")
     header = wire.parse_header(frame[:24], requests=False)
     assert wire.parse_status(header, frame[24:]) == (3, "bad")
-    frame = wire.encode_shm_register(1, "/dev/shm/kvfs-x", 1 << 20)
+    frame = wire.encode_shm_register(1, "/dev/shm/kvfs-x", 1 << 20, mapping=1)
     header, body = split(frame)
-    assert wire.parse_shm_register(header, body) == ("/dev/shm/kvfs-x", 1 << 20)
+    assert wire.parse_shm_register(header, body) == ("/dev/shm/kvfs-x", 1 << 20) and header.flags == 1
 
 
 @settings(max_examples=500)
