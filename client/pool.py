@@ -30,24 +30,27 @@ class SharedArena:
 
     def __init__(self, size: int):
         self.path = f"/dev/shm/kvfs-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)  # sparse: pages exist only once written
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self._fd, size)  # sparse: pages exist only once reserved
+        self.map = mmap.mmap(self._fd, size)
         self.size = size
         self.address = address_of(self.map)
         self._next = 0
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        self._finalizer = weakref.finalize(self, _release, self.path, self._fd)
         atexit.register(self._finalizer)
 
     def allocate(self, nbytes: int) -> memoryview | None:
+        """A buffer in the arena, or None when the arena or /dev/shm is full."""
         with self._lock:
             start = self._next
             end = start + -(-nbytes // PAGE) * PAGE
             if end > self.size:
+                return None
+            try:
+                # reserve the pages now: touching an unbacked page of a full tmpfs is SIGBUS
+                os.posix_fallocate(self._fd, start, end - start)
+            except OSError:
                 return None
             self._next = end
         return memoryview(self.map)[start : start + nbytes]
@@ -61,10 +64,11 @@ class SharedArena:
         self._finalizer()
 
 
-def _unlink(path: str) -> None:
+def _release(path: str, fd: int) -> None:
     try:
+        os.close(fd)
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
@@ -106,8 +110,11 @@ class BufferPool:
         self._lock = threading.Lock()
         self.arena = None
         if not self.pinned and arena_bytes and os.path.isdir("/dev/shm"):
-            self.arena = SharedArena(arena_bytes)
-            _arenas.add(self.arena)
+            try:
+                self.arena = SharedArena(arena_bytes)
+                _arenas.add(self.arena)
+            except OSError:  # no usable /dev/shm: plain buffers, restores copy once more
+                self.arena = None
 
     def get(self, nbytes: int):
         """A uint8 tensor of `nbytes` (contents undefined)."""
