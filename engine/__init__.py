@@ -1,6 +1,9 @@
 """kvfs.engine: a thin DeepSeek-V2-style MLA inference engine on kvfs.
 
-    from kvfs.engine import ModelConfig, build_model, KVCache
+    from kvfs.engine import Engine, ModelConfig
+
+    engine = Engine(ModelConfig.preset("tiny"), client, namespace)
+    result = await engine.agenerate(token_ids, max_new_tokens=16)   # result.tokens, result.timings
 
 `ModelConfig.preset("tiny" | "bench" | "deepseek-v2-lite")` gives the shapes;
 `build_model(cfg, checkpoint=None)` builds the model from a seed or from a
@@ -10,7 +13,9 @@ cache in the layout kvfs stores.
 
 from .cache import KVCache
 from .config import ModelConfig
+from .engine import Engine, GenerateResult, Timings
 from .model import MLAModel
 from .weights import build_model, load_checkpoint, save_checkpoint
 
-__all__ = ["KVCache", "MLAModel", "ModelConfig", "build_model", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Engine", "GenerateResult", "KVCache", "MLAModel", "ModelConfig", "Timings", "build_model",
+           "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,167 @@
+"""Engine: generation with kvfs as the prefix cache.
+
+A request hashes its prompt's blocks and makes one MatchPrefix. The matched
+prefix is restored straight into the request's KV cache (a BufferPool buffer,
+so chunkservers on this host read into it directly) while the unmatched suffix
+is prefilled: the model waits for layer l of the restore only when it reaches
+layer l, so I/O hides behind compute. New full blocks are written back in the
+background; a failed write-back is logged and never fails the request. If a
+restore fails midway, the prompt is recomputed in full and the answer is the
+same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfs.errors import KvfsError
+from kvfs.keys import Namespace
+
+from .cache import KVCache
+from .config import ModelConfig
+from .weights import build_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Timings:
+    """Seconds and bytes of one request."""
+
+    lookup: float = 0.0
+    restore: float = 0.0  # from issuing the restore to its last layer landing
+    restore_wait: float = 0.0  # time prefill spent waiting for restored layers (I/O not hidden)
+    prefill: float = 0.0
+    ttft: float = 0.0
+    decode: float = 0.0
+    tokens_matched: int = 0
+    bytes_restored: int = 0
+    bytes_written: int = 0  # known once the write-back finished (see GenerateResult.write_back)
+    recomputed_after_failed_restore: bool = False
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    timings: Timings
+    first_logits: torch.Tensor = field(repr=False)
+    write_back: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Engine:
+    """A DeepSeek-V2-style MLA model serving requests with a kvfs prefix cache.
+
+    `client` is a kvfs.client.Client (use `agenerate` from async code) or a
+    SyncClient (then `generate` works from plain code). Requests may run
+    concurrently; model compute runs one request at a time on a worker thread,
+    while restores and write-backs proceed on the event loop.
+    """
+
+    def __init__(self, config: ModelConfig, client, namespace: Namespace, *, checkpoint=None, pool=None,
+                 ttl_class: str = "chat", write_back: bool = True):
+        from kvfs.client import BufferPool, SyncClient
+
+        self.cfg = config
+        self.namespace = namespace
+        self._sync = client if isinstance(client, SyncClient) else None
+        self.client = client._client if self._sync else client
+        self.layout = config.block_layout(self.client.block_tokens)
+        self.model = build_model(config, checkpoint)
+        self.pool = pool if pool is not None else BufferPool()
+        self.ttl_class = ttl_class
+        self.write_back = write_back
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-engine")
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
+        """Blocking form; needs the engine to have been given a SyncClient."""
+        if self._sync is None:
+            raise TypeError("Engine.generate needs a SyncClient; with an async Client, await agenerate()")
+        return self._sync._run(self.agenerate(token_ids, max_new_tokens))
+
+    async def agenerate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
+        """Greedy generation of up to `max_new_tokens` after the prompt."""
+        if not token_ids:
+            raise ValueError("empty prompt")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        tokens = list(token_ids)
+        n = len(tokens)
+        timings = Timings()
+        match = await self.client.lookup(self.namespace, tokens)
+        timings.lookup = match.lookup_seconds
+        max_tokens = n + max_new_tokens
+        buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
+        cache = KVCache(self.cfg, max_tokens, buf)
+        restore = None
+        if match.matched:
+            restore = self.client.read(match, cache.bytes(), buffer_tokens=max_tokens)
+        # a fully cached prompt still runs its last token, for the logits
+        start = min(match.tokens, n - 1)
+        waited = [0.0]
+
+        def before_layer(layer: int) -> None:
+            if restore is not None:
+                w0 = time.perf_counter()
+                asyncio.run_coroutine_threadsafe(restore.layer_ready(layer), loop).result()
+                waited[0] += time.perf_counter() - w0
+
+        def prefill(begin: int, hook) -> torch.Tensor:
+            return self.model(torch.tensor(tokens[begin:]), cache, begin, before_layer=hook)
+
+        p0 = time.perf_counter()
+        try:
+            logits = await loop.run_in_executor(self._compute, prefill, start, before_layer)
+            if restore is not None:
+                stats = await restore.wait()
+                timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
+                timings.tokens_matched = match.tokens
+        except KvfsError as err:
+            log.warning("restore of %d blocks failed (%s); recomputing the prompt", match.matched, err.message)
+            restore.cancel()
+            timings.recomputed_after_failed_restore = True
+            # a fresh buffer: reads still in flight may land in the old one, which is not reused
+            buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
+            cache = KVCache(self.cfg, max_tokens, buf)
+            logits = await loop.run_in_executor(self._compute, prefill, 0, None)
+        timings.prefill = time.perf_counter() - p0
+        timings.restore_wait = waited[0]
+        first_logits = logits[-1].clone()
+        out = [int(first_logits.argmax())]
+        timings.ttft = time.perf_counter() - t0
+        d0 = time.perf_counter()
+        for pos in range(n, n + max_new_tokens - 1):
+            step = await loop.run_in_executor(
+                self._compute, lambda p=pos: self.model(torch.tensor(out[-1:]), cache, p))
+            out.append(int(step[-1].argmax()))
+        timings.decode = time.perf_counter() - d0
+        task = None
+        full_blocks = n // self.layout.block_tokens
+        first_new = 0 if timings.recomputed_after_failed_restore else match.matched
+        if self.write_back and full_blocks > first_new:
+            task = loop.create_task(self._write_back(tokens[: full_blocks * self.layout.block_tokens], cache, buf,
+                                                     first_new, max_tokens, timings))
+        else:
+            self.pool.put(buf)
+        return GenerateResult(out, timings, first_logits, task)
+
+    async def _write_back(self, tokens, cache: KVCache, buf, first_block: int, max_tokens: int,
+                          timings: Timings) -> None:
+        try:
+            res = await self.client.write(self.namespace, tokens, cache.bytes(), self.layout, self.ttl_class,
+                                          first_block=first_block, buffer_tokens=max_tokens)
+            timings.bytes_written = res.bytes_written
+        except KvfsError as err:  # the answer is out already; a cache miss later is the only cost
+            log.warning("write-back of %d blocks failed: %s", len(tokens) // self.layout.block_tokens - first_block,
+                        err.message)
+        finally:
+            self.pool.put(buf)
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=True)
