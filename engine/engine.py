@@ -30,6 +30,8 @@ from .weights import build_model
 
 log = logging.getLogger(__name__)
 
+PREFILL_CHUNK = 2048
+
 
 @dataclass
 class Timings:
@@ -113,7 +115,13 @@ class Engine:
                 waited[0] += time.perf_counter() - w0
 
         def prefill(begin: int, hook) -> torch.Tensor:
-            return self.model(torch.tensor(tokens[begin:]), cache, begin, before_layer=hook)
+            # in chunks, so attention's memory stays chunk x context, not context^2;
+            # only the first chunk can meet a layer the restore has not delivered
+            logits = None
+            for s in range(begin, n, PREFILL_CHUNK):
+                logits = self.model(torch.tensor(tokens[s : s + PREFILL_CHUNK]), cache, s,
+                                    before_layer=hook if s == begin else None)
+            return logits
 
         p0 = time.perf_counter()
         try:
