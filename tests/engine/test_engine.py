@@ -124,3 +124,18 @@ def test_sync_generate_with_a_sync_client(local_cluster, pool):
         result = engine.generate(list(b"hello kvfs, " * 20), max_new_tokens=5)
         assert len(result.tokens) == 5 and result.timings.ttft > 0
         engine.close()
+
+
+async def test_chunked_prefill_matches_one_pass(local_cluster, pool, monkeypatch):
+    import kvfs.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 64)
+    cfg = TINY.with_(dtype="float32")
+    cluster = local_cluster()
+    tokens = [t % 256 for t in tokens_for(4, seed=9, tail=44)]  # 300 tokens: five chunks
+    async with Client(cluster.meta_address) as client:
+        engine = Engine(cfg, client, Namespace("acme", "tiny-mla", "mla-f32"), pool=pool, write_back=False)
+        result = await engine.agenerate(tokens, 1)
+        one_pass = engine.model(torch.tensor(tokens), KVCache(cfg, 310), 0)[-1]
+        torch.testing.assert_close(result.first_logits, one_pass, rtol=1e-4, atol=1e-5)
+        engine.close()
