@@ -125,9 +125,17 @@ def _demo(args) -> int:
         wall = time.perf_counter() - t0
         for line in summary(stats, wall):
             console.print(line)
+        same = True
+        if args.engine_tokens:
+            from kvfs.demo import engine_miss_then_hit
+
+            lines = asyncio.run(engine_miss_then_hit(cluster.meta_address, args.engine_tokens))
+            same = lines[-1].startswith("  same answer: yes")
+            for line in lines:
+                console.print(line)
         console.print(_status_table(meta_status(cluster.meta_address)))
     console.print("cluster stopped")
-    return 0 if stats.mismatches == 0 else 1
+    return 0 if stats.mismatches == 0 and same else 1
 
 
 def _admin(args) -> int:
@@ -202,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--chunkservers", type=int, default=3)
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--seed", type=int, default=1)
+    demo.add_argument("--engine-tokens", type=int, default=4096,
+                      help="then serve a prompt this long through the MLA engine twice (0: skip)")
     demo.add_argument("--data-dir", help="keep cluster data here (default: a new temporary folder)")
 
     chunk = sub.add_parser("chunk", help="inspect one chunkserver")

@@ -80,6 +80,27 @@ def _prefix(args) -> int:
     return 0
 
 
+def _ttft(args) -> int:
+    from .ttft import run_ttft
+
+    lengths = [int(x) for x in args.tokens.split(",")]
+    console.print(f"kvfs-bench ttft: the {args.preset} model, prompts of {lengths} tokens, "
+                  f"{args.chunkservers} local chunkservers")
+    report = asyncio.run(run_ttft(args.preset, lengths, args.chunkservers, log=console.print))
+    table = Table(title=f"time to first token, recompute vs restore ({args.preset} model)")
+    for col in ("tokens", "recompute s", "restore s", "speedup", "restored MB", "restore GB/s", "hidden"):
+        table.add_column(col, justify="right")
+    for r in report["rows"]:
+        table.add_row(str(r["tokens"]), f"{r['ttft_recompute_s']:.2f}", f"{r['ttft_restore_s']:.3f}",
+                      f"{r['speedup']:.1f}x", f"{r['bytes_restored'] / 1e6:.0f}", f"{r['restore_gbps']:.2f}",
+                      f"{r['hidden_fraction']:.0%}")
+    console.print(table)
+    _write_json(args.json, {"bench": "ttft", **_host(), "config": {"preset": args.preset, "tokens": lengths,
+                                                                    "chunkservers": args.chunkservers},
+                            "results": report})
+    return 0
+
+
 def _host() -> dict:
     return {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}}
@@ -111,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     prefix.add_argument("--chunkservers", type=int, default=3)
     prefix.add_argument("--replicas", type=int, default=2)
     prefix.add_argument("--data-dir", help="where servers keep data (default: a temp folder, removed)")
-    for p in (io, prefix):
+    ttft = sub.add_parser("ttft", help="time to first token of the MLA engine, recompute vs restore")
+    ttft.add_argument("--preset", default="bench")
+    ttft.add_argument("--tokens", default="2048,8192,32768", help="prompt lengths, comma-separated")
+    ttft.add_argument("--chunkservers", type=int, default=3)
+    for p in (io, prefix, ttft):
         p.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    return _io(args) if args.cmd == "io" else _prefix(args)
+    return {"io": _io, "prefix": _prefix, "ttft": _ttft}[args.cmd](args)
 
 
 if __name__ == "__main__":

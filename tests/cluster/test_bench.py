@@ -38,3 +38,15 @@ def test_prefix_bench_report_shape(tmp_path):
     assert report["bench"] == "prefix" and r["blocks"] == 16 and r["lookup_blocks"] == 40
     assert r["write_gbps"] > 0 and r["lookup_rpc_ms_p50"] > 0 and len(r["restore_gbps"]) == 1
     assert abs(r["restore_over_raw"] - r["restore_gbps_median"] / r["raw_gbps_median"]) < 1e-9
+
+
+def test_ttft_bench_report_shape(tmp_path):
+    report, stdout = run(["ttft", "--preset", "tiny", "--tokens", "200,300", "--chunkservers", "2"], tmp_path)
+    rows = report["results"]["rows"]
+    assert [r["tokens"] for r in rows] == [200, 300]
+    for r in rows:
+        assert r["ttft_recompute_s"] > 0 and r["ttft_restore_s"] > 0
+        assert abs(r["speedup"] - r["ttft_recompute_s"] / r["ttft_restore_s"]) < 1e-9
+        assert r["bytes_restored"] == (r["tokens"] // 64) * 64 * 2 * 48 * 2  # blocks x tokens x layers x kv_dim x bf16
+        assert 0 <= r["hidden_fraction"] <= 1
+    assert "speedup" in stdout

@@ -11,7 +11,8 @@ KVFS = [sys.executable, "-m", "kvfs.cli"]
 
 
 def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
-    proc = subprocess.run([*KVFS, "demo", "--prompts", "24", "--data-dir", str(tmp_path / "demo")],
+    proc = subprocess.run([*KVFS, "demo", "--prompts", "24", "--engine-tokens", "300",
+                           "--data-dir", str(tmp_path / "demo")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -19,6 +20,7 @@ def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
     assert "restored bytes checked: all exact" in out
     hit = float(out.split("hit ratio: ")[1].split("%")[0])
     assert 0 < hit < 100
+    assert "same answer: yes" in out and "x faster" in out
     assert "cluster stopped" in out
     for i in range(3):  # every chunkserver took part
         assert list((tmp_path / "demo" / f"cs-{i}" / "slots").glob("*/*.slots"))
