@@ -89,8 +89,8 @@ class Engine:
 
     async def agenerate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
         """Greedy generation of up to `max_new_tokens` after the prompt."""
-        if not token_ids:
-            raise ValueError("empty prompt")
+        if not token_ids or max_new_tokens < 1:
+            raise ValueError("needs a prompt and max_new_tokens >= 1")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         tokens = list(token_ids)
