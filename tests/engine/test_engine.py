@@ -139,3 +139,32 @@ async def test_chunked_prefill_matches_one_pass(local_cluster, pool, monkeypatch
         one_pass = engine.model(torch.tensor(tokens), KVCache(cfg, 310), 0)[-1]
         torch.testing.assert_close(result.first_logits, one_pass, rtol=1e-4, atol=1e-5)
         engine.close()
+
+
+async def test_concurrent_requests_get_the_answers_they_get_alone(local_cluster, pool):
+    import asyncio
+
+    cluster = local_cluster()
+    prompts = [[t % 256 for t in tokens_for(2, seed=20 + i, tail=5 * i)] for i in range(3)]
+    async with Client(cluster.meta_address) as client:
+        engine = Engine(TINY, client, NS, pool=pool, write_back=False)
+        alone = [await engine.agenerate(p, 4) for p in prompts]
+        together = await asyncio.gather(*(engine.agenerate(p, 4) for p in prompts))
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        assert all(torch.equal(a.first_logits, b.first_logits) for a, b in zip(alone, together))
+        engine.close()
+
+
+async def test_a_failed_write_back_is_logged_and_the_request_still_answers(local_cluster, pool, caplog):
+    cluster = local_cluster()
+    tokens = [t % 256 for t in tokens_for(3, seed=30)]
+    for cs in cluster.chunkservers:
+        cs.kill()  # the metaserver still counts them live for a few seconds: allocation succeeds, writes fail
+    async with Client(cluster.meta_address) as client:
+        engine = Engine(TINY, client, NS, pool=pool)
+        result = await engine.agenerate(tokens, 3)
+        assert len(result.tokens) == 3
+        await result.write_back  # finishes without raising
+        assert result.timings.bytes_written == 0
+        assert "write-back of 3 blocks failed" in caplog.text
+        engine.close()
