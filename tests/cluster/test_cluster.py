@@ -20,6 +20,14 @@ MLA = BlockLayout.mla()  # 1.9 MB blocks, two chunks each
 SMALL = BlockLayout(layers=6, block_tokens=64, kv_dim=64, dtype="bfloat16")  # 48 KiB blocks, one chunk
 
 
+async def chunks_on_disk(cluster) -> int:
+    total = 0
+    for cs in cluster.chunkservers:
+        async with ChunkClient(cs.address) as c:
+            total += (await c.stat()).chunk_count
+    return total
+
+
 async def test_blocks_round_trip_across_three_chunkservers(local_cluster):
     cluster = local_cluster()
     tokens = tokens_for(6, seed=1, tail=17)
@@ -74,11 +82,7 @@ async def test_concurrent_writers_of_one_prefix_one_wins_whole(local_cluster):
         # the losers' chunks are garbage: after a lifecycle round only the winner's remain
         with grpc.insecure_channel(cluster.meta_address) as ch:
             meta_pb2_grpc.MetaServiceStub(ch).RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=30)
-        counts = []
-        for cs in cluster.chunkservers:
-            async with ChunkClient(cs.address) as c:
-                counts.append((await c.stat()).chunk_count)
-        assert sum(counts) == 4 * 2  # 4 one-chunk blocks, 2 replicas
+        assert await chunks_on_disk(cluster) == 4 * 2  # 4 one-chunk blocks, 2 replicas
 
 
 async def test_metaserver_crash_and_restart_keeps_committed_blocks(local_cluster):
@@ -137,11 +141,7 @@ async def test_ttl_expiry_hides_blocks_and_frees_chunk_space(local_cluster):
         assert (await client.lookup(NS, tokens)).matched == 0
         assert (await client.lookup(NS, keep)).matched == 2
         assert (await client.status()).blocks == 2
-        counts = []
-        for cs in cluster.chunkservers:
-            async with ChunkClient(cs.address) as c:
-                counts.append((await c.stat()).chunk_count)
-        assert sum(counts) == 2 * 2  # only the kept blocks' chunks are left on disk
+        assert await chunks_on_disk(cluster) == 2 * 2  # only the kept blocks' chunks are left
 
 
 async def test_orphans_and_abandoned_allocations_are_collected(local_cluster):
