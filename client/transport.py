@@ -178,21 +178,31 @@ class _Connection:
         self.arena = None  # the client's buffer arena, when this server has mapped it
         self.shm_ranges = [0, 0]  # ranges served through staging, and straight into the destination
         if shm_regions:
-            path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.ftruncate(fd, shm_regions * SHM_REGION)
-                self.shm = mmap.mmap(fd, shm_regions * SHM_REGION)
-                self._register(path, shm_regions * SHM_REGION, 0)
-            finally:
-                os.close(fd)
-                os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
-            self.shm_address = address_of(self.shm)
-            if arena is not None:
+                self._map_staging(shm_regions * SHM_REGION)
+            except KvfsError as err:  # e.g. the server's user may not open our files: plain TCP
+                log.warning("%s; reading from it over TCP instead", err.message)
+                self.shm = None
+        if self.shm is not None and arena is not None:
+            try:
                 self._register(arena.path, arena.size, 1)
                 self.arena = arena
+            except KvfsError as err:
+                log.warning("%s; restores from it into pool buffers will be copied once", err.message)
         self.thread = threading.Thread(target=self._drain, name=f"kvfs-data-{address}", daemon=True)
         self.thread.start()
+
+    def _map_staging(self, size: int) -> None:
+        path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.shm = mmap.mmap(fd, size)
+            self._register(path, size, 0)
+        finally:
+            os.close(fd)
+            os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
+        self.shm_address = address_of(self.shm)
 
     def _register(self, path: str, size: int, mapping: int) -> None:
         """SHM_REGISTER, before the drain thread starts (so the reply is ours to read)."""
@@ -417,6 +427,8 @@ class ShmTransport(TcpTransport):
             conn = await self._connection(server.data_address)
         except Unavailable as err:
             return [err] * len(specs)
+        if conn.shm is None:  # the server refused our shared buffer
+            return await conn.submit(specs, out, asyncio.get_running_loop())
         regions = self._regions[id(conn)]
         region = await regions.get()
         try:

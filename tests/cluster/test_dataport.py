@@ -220,3 +220,21 @@ async def test_shm_reads_straight_into_buffer_pool_memory(local_cluster, mode):
         again = pool.get(MLA.buffer_bytes(match.tokens))
         stats = await client.read(await client.lookup(NS, tokens), again).wait()
         assert bytes(again.numpy()) == payload and stats.retries > 0
+
+
+async def test_a_server_that_cannot_map_our_buffer_is_read_over_tcp(local_cluster, monkeypatch, caplog):
+    from kvfs.client import transport
+
+    def refused(self, size):  # as when the chunkserver's user may not open our /dev/shm files
+        self._register("/dev/shm/kvfs-that-does-not-exist", size, 0)
+
+    monkeypatch.setattr(transport._Connection, "_map_staging", refused)
+    cluster = local_cluster()
+    tokens = tokens_for(4, seed=11)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport="shm") as client:
+        await client.write(NS, tokens, payload, MLA)
+        out, order, stats = await restore(client, tokens)
+        assert bytes(out) == payload and stats.retries == 0
+        assert client._transports["shm"].ranges == {"staged": 0, "zero_copy": 0}  # all came over TCP
+    assert "reading from it over TCP instead" in caplog.text
