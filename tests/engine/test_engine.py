@@ -1,7 +1,6 @@
 """The engine on a real local cluster: restored prefixes give the answers a
 recompute gives."""
 
-import os
 import subprocess
 import sys
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from kvfs.client import BufferPool, Client
-from kvfs.engine import Engine, KVCache, ModelConfig, build_model
+from kvfs.engine import Engine, KVCache, ModelConfig
 from kvfs.keys import Namespace
 
 from helpers import tokens_for
