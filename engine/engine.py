@@ -24,6 +24,7 @@ import torch
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace
 
+from .admission import AdmissionController, Decision
 from .cache import KVCache
 from .config import ModelConfig
 from .weights import build_model
@@ -47,6 +48,7 @@ class Timings:
     bytes_restored: int = 0
     bytes_written: int = 0  # known once the write-back finished (see GenerateResult.write_back)
     recomputed_after_failed_restore: bool = False
+    decision: Decision | None = None  # the admission controller's, when the engine has one
 
 
 @dataclass
@@ -67,7 +69,7 @@ class Engine:
     """
 
     def __init__(self, config: ModelConfig, client, namespace: Namespace, *, checkpoint=None, pool=None,
-                 ttl_class: str = "chat", write_back: bool = True):
+                 ttl_class: str = "chat", write_back: bool = True, admission: AdmissionController | None = None):
         from kvfs.client import BufferPool, SyncClient
 
         self.cfg = config
@@ -79,6 +81,8 @@ class Engine:
         self.pool = pool if pool is not None else BufferPool()
         self.ttl_class = ttl_class
         self.write_back = write_back
+        # decides, per request, how much of a cached prefix to restore (default: all of it)
+        self.admission = admission
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-engine")
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
@@ -102,10 +106,17 @@ class Engine:
         buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
         cache = KVCache(self.cfg, max_tokens, buf)
         restore = None
-        if match.matched:
-            restore = self.client.read(match, cache.bytes(), buffer_tokens=max_tokens)
+        blocks = match.matched
+        if blocks and self.admission is not None:
+            decision = self.admission.decide(blocks, n, self.layout.payload_bytes)
+            timings.decision = decision
+            blocks = decision.restore_blocks
+        if blocks:
+            restore = self.client.read(match, cache.bytes(), blocks=blocks, buffer_tokens=max_tokens)
+            if self.admission is not None:
+                self.admission.restore_issued(blocks * self.layout.payload_bytes)
         # a fully cached prompt still runs its last token, for the logits
-        start = min(match.tokens, n - 1)
+        start = min(blocks * self.layout.block_tokens, n - 1)
         waited = [0.0]
 
         def before_layer(layer: int) -> None:
@@ -129,10 +140,14 @@ class Engine:
             if restore is not None:
                 stats = await restore.wait()
                 timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
-                timings.tokens_matched = match.tokens
+                timings.tokens_matched = blocks * self.layout.block_tokens
+                if self.admission is not None:
+                    self.admission.restore_finished(stats.bytes, stats.seconds, blocks * self.layout.payload_bytes)
         except KvfsError as err:
             log.warning("restore of %d blocks failed (%s); recomputing the prompt", match.matched, err.message)
             restore.cancel()
+            if self.admission is not None:
+                self.admission.restore_finished(0, 0.0, blocks * self.layout.payload_bytes)
             timings.recomputed_after_failed_restore = True
             # a fresh buffer: reads still in flight may land in the old one, which is not reused
             buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
@@ -140,6 +155,9 @@ class Engine:
             logits = await loop.run_in_executor(self._compute, prefill, 0, None)
         timings.prefill = time.perf_counter() - p0
         timings.restore_wait = waited[0]
+        if self.admission is not None:  # compute alone: the time spent waiting on restored layers is not prefill
+            begin = 0 if timings.recomputed_after_failed_restore else start
+            self.admission.prefill_done(begin, n, timings.prefill - waited[0])
         first_logits = logits[-1].clone()
         out = [int(first_logits.argmax())]
         timings.ttft = time.perf_counter() - t0
@@ -151,7 +169,7 @@ class Engine:
         timings.decode = time.perf_counter() - d0
         task = None
         full_blocks = n // self.layout.block_tokens
-        first_new = 0 if timings.recomputed_after_failed_restore else match.matched
+        first_new = 0 if timings.recomputed_after_failed_restore else blocks
         if self.write_back and full_blocks > first_new:
             task = loop.create_task(self._write_back(tokens[: full_blocks * self.layout.block_tokens], cache, buf,
                                                      first_new, max_tokens, timings))

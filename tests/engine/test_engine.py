@@ -167,3 +167,45 @@ async def test_a_failed_write_back_is_logged_and_the_request_still_answers(local
         assert result.timings.bytes_written == 0
         assert "write-back of 3 blocks failed" in caplog.text
         engine.close()
+
+
+@pytest.mark.parametrize("policy,queued,kind", [("always-recompute", 0, "recompute"),
+                                                ("always-restore", 0, "restore"),
+                                                ("adaptive", 1 << 40, "recompute")])
+async def test_admission_decides_how_much_to_restore(local_cluster, pool, policy, queued, kind):
+    from kvfs.engine.admission import AdmissionController
+
+    cluster = local_cluster()
+    tokens = [t % 256 for t in tokens_for(4, seed=40, tail=7)]
+    async with Client(cluster.meta_address) as client:
+        writer = Engine(TINY, client, NS, pool=pool)
+        miss = await writer.agenerate(tokens, 3)
+        await miss.write_back
+        admission = AdmissionController(policy=policy)
+        admission.queued_bytes = queued  # e.g. a read queue so deep that waiting loses to recompute
+        engine = Engine(TINY, client, NS, pool=pool, admission=admission, write_back=False)
+        result = await engine.agenerate(tokens, 3)
+        assert result.timings.decision.kind == kind and admission.decisions[kind] == 1
+        assert result.timings.bytes_restored == (0 if kind == "recompute" else 4 * TINY.block_layout().payload_bytes)
+        assert result.tokens == miss.tokens
+        for e in (writer, engine):
+            e.close()
+
+
+async def test_a_partial_restore_computes_the_rest_exactly(local_cluster, pool):
+    from kvfs.engine.admission import AdmissionController, Decision
+
+    class RestoreTwo(AdmissionController):
+        def decide(self, matched_blocks, prompt_tokens, bytes_per_block):
+            return Decision("test", "partial", 2, matched_blocks, 0.0, 0.0, 0.0, 1.0, 0)
+
+    cluster = local_cluster()
+    tokens = [t % 256 for t in tokens_for(5, seed=41, tail=3)]
+    async with Client(cluster.meta_address) as client:
+        await (await Engine(TINY, client, NS, pool=pool).agenerate(tokens, 2)).write_back
+        engine = Engine(TINY, client, NS, pool=pool, admission=RestoreTwo(), write_back=False)
+        result = await engine.agenerate(tokens, 2)
+        assert result.timings.tokens_matched == 128
+        assert result.timings.bytes_restored == 2 * TINY.block_layout().payload_bytes
+        assert torch.equal(result.first_logits, two_phase_reference(engine.model, tokens, 128))
+        engine.close()

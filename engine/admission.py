@@ -1,0 +1,160 @@
+"""Admission: should a request restore its cached prefix, part of it, or recompute?
+
+Pure decisions over online estimates (no I/O here, so a trace can be replayed
+through it offline). The engine tells the controller what it observes:
+
+  - every finished restore (bytes, seconds)          -> read bandwidth
+  - every finished write-back (bytes, seconds)       -> write bandwidth
+  - restore bytes issued and completed               -> bytes queued ahead
+  - every prefill (context before, tokens, seconds)  -> prefill cost model
+
+and asks `decide()` for each request with a cached prefix. Restoring k blocks
+costs (bytes queued ahead + k blocks) / read bandwidth, and overlaps the
+prefill of the rest (layer by layer), so the expected time to first token of
+restoring k blocks is about max(restore(k), prefill(k..n)) and of recomputing
+all of it prefill(0..n). The controller picks the k with the smallest estimate
+(policy `adaptive`), or always k = all (`always-restore`) or k = 0
+(`always-recompute`), and returns the estimates behind the choice.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "always-restore", "always-recompute")
+
+
+class Ewma:
+    """An exponentially weighted mean, `None` until the first sample."""
+
+    def __init__(self, alpha: float = 0.2, initial: float | None = None):
+        self.alpha = alpha
+        self.value = initial
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+class PrefillModel:
+    """Seconds to prefill tokens p..n, as a*(n - p) + b*(n^2 - p^2): a linear part
+    (projections, MLP) and a quadratic one (attention over the context). Fitted by
+    least squares over the most recent observations."""
+
+    def __init__(self, window: int = 64, a: float = 1e-3, b: float = 0.0):
+        self._obs: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=window)
+        self.a, self.b = a, b
+
+    def observe(self, start: int, end: int, seconds: float) -> None:
+        if end <= start or seconds <= 0:
+            return
+        self._obs.append((end - start, end * end - start * start, seconds))
+        self._fit()
+
+    def _fit(self) -> None:
+        # normal equations for seconds ~ a*x + b*y, with a, b >= 0
+        sxx = sum(x * x for x, _, _ in self._obs)
+        syy = sum(y * y for _, y, _ in self._obs)
+        sxy = sum(x * y for x, y, _ in self._obs)
+        sxt = sum(x * t for x, _, t in self._obs)
+        syt = sum(y * t for _, y, t in self._obs)
+        det = sxx * syy - sxy * sxy
+        if len(self._obs) >= 2 and det > 1e-12 * sxx * syy:
+            a = (sxt * syy - syt * sxy) / det
+            b = (syt * sxx - sxt * sxy) / det
+            if a >= 0 and b >= 0:
+                self.a, self.b = a, b
+                return
+        # too few or collinear observations (or a negative term): the linear fit alone
+        self.a, self.b = (sxt / sxx if sxx else self.a), 0.0
+
+    def seconds(self, start: int, end: int) -> float:
+        if end <= start:
+            return 0.0
+        return self.a * (end - start) + self.b * (end * end - start * start)
+
+
+@dataclass
+class Decision:
+    """What to do with one request, and why."""
+
+    policy: str
+    kind: str  # "restore" (all matched blocks), "partial" (a leading part), "recompute"
+    restore_blocks: int
+    matched_blocks: int
+    est_ttft: float  # of the chosen option
+    est_restore_all: float
+    est_recompute_all: float
+    read_gbps: float
+    queued_bytes: int
+
+
+@dataclass
+class AdmissionController:
+    policy: str = "adaptive"
+    block_tokens: int = 64
+    read_bandwidth: Ewma = field(default_factory=lambda: Ewma(initial=1e9))  # bytes/s
+    write_bandwidth: Ewma = field(default_factory=lambda: Ewma(initial=2e8))
+    prefill: PrefillModel = field(default_factory=PrefillModel)
+    queued_bytes: int = 0
+    margin: float = 0.1  # restore less than all only if that is expected to be this much faster
+    decisions: collections.Counter = field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+
+    # ---- what the engine observes -------------------------------------------
+
+    def restore_issued(self, nbytes: int) -> None:
+        self.queued_bytes += nbytes
+
+    def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None) -> None:
+        """A restore ended: `nbytes` moved in `seconds`; `issued` is what it had queued."""
+        self.queued_bytes = max(0, self.queued_bytes - (nbytes if issued is None else issued))
+        if nbytes and seconds > 0:
+            self.read_bandwidth.add(nbytes / seconds)
+
+    def write_finished(self, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            self.write_bandwidth.add(nbytes / seconds)
+
+    def prefill_done(self, start: int, end: int, seconds: float) -> None:
+        self.prefill.observe(start, end, seconds)
+
+    # ---- the decision -----------------------------------------------------------
+
+    def restore_seconds(self, nbytes: int) -> float:
+        return (self.queued_bytes + nbytes) / self.read_bandwidth.value
+
+    def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int) -> Decision:
+        """Restore how many of the `matched_blocks` leading blocks of a prompt?"""
+        bt = self.block_tokens
+
+        def ttft(k: int) -> float:
+            # a request still computes its last token: a full hit prefills from n - 1
+            start = min(k * bt, prompt_tokens - 1)
+            compute = self.prefill.seconds(start, prompt_tokens)
+            return max(self.restore_seconds(k * bytes_per_block), compute) if k else compute
+
+        restore_all, recompute_all = ttft(matched_blocks), ttft(0)
+        if self.policy == "always-restore":
+            k = matched_blocks
+        elif self.policy == "always-recompute":
+            k = 0
+        else:
+            # TTFT(k) is the max of a rising line and a falling curve: try every k at
+            # a coarse step, then refine around the best
+            step = max(1, matched_blocks // 64)
+            best = min(range(0, matched_blocks + 1, step), key=lambda k: (ttft(k), -k))
+            lo, hi = max(0, best - step), min(matched_blocks, best + step)
+            k = min(range(lo, hi + 1), key=lambda k: (ttft(k), -k))
+            # estimates are noisy and recompute also takes compute from other requests:
+            # read less than everything only for a clear gain
+            if ttft(k) > restore_all * (1 - self.margin):
+                k = matched_blocks
+        kind = "recompute" if k == 0 else "restore" if k == matched_blocks else "partial"
+        self.decisions[kind] += 1
+        return Decision(self.policy, kind, k, matched_blocks, ttft(k), restore_all, recompute_all,
+                        self.read_bandwidth.value / 1e9, self.queued_bytes)
+

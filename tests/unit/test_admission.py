@@ -1,0 +1,76 @@
+"""The admission controller's estimates and decisions (pure logic)."""
+
+import pytest
+
+from kvfs.engine.admission import AdmissionController, Ewma, PrefillModel
+
+BLOCK = 64 * 8 * 576 * 2  # bytes of one `bench` block
+
+
+def test_prefill_model_recovers_linear_and_quadratic_costs():
+    m = PrefillModel()
+    a, b = 2e-4, 3e-9
+    for start, end in [(0, 2048), (0, 8192), (4096, 8192), (0, 512), (1000, 1500)]:
+        m.observe(start, end, a * (end - start) + b * (end * end - start * start))
+    assert m.a == pytest.approx(a, rel=1e-6) and m.b == pytest.approx(b, rel=1e-6)
+    assert m.seconds(0, 32768) == pytest.approx(a * 32768 + b * 32768**2, rel=1e-6)
+    assert m.seconds(100, 100) == 0
+
+
+def test_prefill_model_with_one_observation_is_linear():
+    m = PrefillModel()
+    m.observe(0, 1000, 0.5)
+    assert (m.a, m.b) == (pytest.approx(5e-4), 0.0)
+
+
+def controller(policy="adaptive", read_gbps=1.0, queued=0):
+    c = AdmissionController(policy=policy, read_bandwidth=Ewma(initial=read_gbps * 1e9))
+    for start, end in [(0, 2048), (0, 8192), (0, 512)]:
+        c.prefill_done(start, end, 2e-4 * (end - start) + 3e-9 * (end * end - start * start))
+    c.queued_bytes = queued
+    return c
+
+
+def test_an_idle_read_path_restores_everything():
+    d = controller().decide(matched_blocks=128, prompt_tokens=128 * 64, bytes_per_block=BLOCK)
+    assert d.kind == "restore" and d.restore_blocks == 128
+    assert d.est_ttft == d.est_restore_all < d.est_recompute_all
+
+
+def test_a_saturated_read_path_recomputes_short_prompts():
+    d = controller(queued=20 << 30).decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK)
+    assert d.kind == "recompute" and d.restore_blocks == 0
+    assert d.est_ttft == d.est_recompute_all < d.est_restore_all
+
+
+def test_a_busy_read_path_restores_a_leading_part():
+    # restoring all 512 blocks waits ~2.5 s behind the queue; recomputing all takes ~10 s;
+    # restoring part while computing the rest beats both
+    c = controller(read_gbps=0.2, queued=200 << 20)
+    d = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
+    assert d.kind == "partial" and 0 < d.restore_blocks < 512
+    assert d.est_ttft < min(d.est_restore_all, d.est_recompute_all)
+    assert c.decisions == {"partial": 1}
+
+
+@pytest.mark.parametrize("policy,kind", [("always-restore", "restore"), ("always-recompute", "recompute")])
+def test_fixed_policies_ignore_the_estimates(policy, kind):
+    c = controller(policy=policy, queued=20 << 30 if policy == "always-restore" else 0)
+    assert c.decide(matched_blocks=16, prompt_tokens=16 * 64, bytes_per_block=BLOCK).kind == kind
+
+
+def test_queue_and_bandwidth_follow_what_the_engine_reports():
+    c = AdmissionController()
+    c.restore_issued(100 << 20)
+    c.restore_issued(50 << 20)
+    assert c.queued_bytes == 150 << 20
+    c.restore_finished(100 << 20, 0.1)
+    assert c.queued_bytes == 50 << 20
+    assert c.read_bandwidth.value == pytest.approx(1e9 + 0.2 * ((100 << 20) / 0.1 - 1e9))
+    c.restore_finished(0, 0.0, issued=50 << 20)  # a restore that failed still leaves the queue
+    assert c.queued_bytes == 0
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        AdmissionController(policy="sometimes")
