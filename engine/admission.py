@@ -19,6 +19,7 @@ all of it prefill(0..n). The controller picks the k with the smallest estimate
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from dataclasses import dataclass, field
 
@@ -99,6 +100,7 @@ class AdmissionController:
     queued_bytes: int = 0
     margin: float = 0.1  # restore less than all only if that is expected to be this much faster
     decisions: collections.Counter = field(default_factory=collections.Counter)
+    on_idle: object = None  # called when the read queue empties (write-backs wait for that)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,6 +116,8 @@ class AdmissionController:
         self.queued_bytes = max(0, self.queued_bytes - (nbytes if issued is None else issued))
         if nbytes and seconds > 0:
             self.read_bandwidth.add(nbytes / seconds)
+        if self.queued_bytes == 0 and self.on_idle is not None:
+            self.on_idle()
 
     def write_finished(self, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
@@ -158,3 +162,63 @@ class AdmissionController:
         return Decision(self.policy, kind, k, matched_blocks, ttft(k), restore_all, recompute_all,
                         self.read_bandwidth.value / 1e9, self.queued_bytes)
 
+
+
+class WriteBackQueue:
+    """Write-backs wait behind restores: run one at a time, only while no restore is
+    queued, dropped (and counted) past `max_bytes` queued, or past a tenant's cap.
+
+    `busy()` says whether restores are waiting; `idle` is an asyncio.Event the
+    engine sets whenever the read queue empties, so deferred write-backs wake
+    without polling.
+    """
+
+    def __init__(self, busy, idle: asyncio.Event, max_bytes: int = 1 << 30, per_tenant_bytes: int = 256 << 20):
+        self._busy = busy
+        self._idle = idle
+        self.max_bytes = max_bytes
+        self.per_tenant_bytes = per_tenant_bytes
+        self.queued_bytes = 0
+        self.per_tenant: collections.Counter = collections.Counter()
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self.deferred = 0  # write-backs that had to wait for restores
+        self._queue: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+
+    def submit(self, tenant: str, nbytes: int, job) -> asyncio.Future | None:
+        """Queues `job()` (a coroutine factory); None if it was dropped."""
+        if self.queued_bytes + nbytes > self.max_bytes or self.per_tenant[tenant] + nbytes > self.per_tenant_bytes:
+            self.dropped += 1
+            self.dropped_bytes += nbytes
+            return None
+        done = asyncio.get_running_loop().create_future()
+        self._queue.append((tenant, nbytes, job, done))
+        self.queued_bytes += nbytes
+        self.per_tenant[tenant] += nbytes
+        self._wake.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+        return done
+
+    async def _run(self) -> None:
+        while self._queue:
+            if self._busy():
+                self.deferred += 1
+                while self._busy():
+                    self._idle.clear()
+                    await self._idle.wait()
+            tenant, nbytes, job, done = self._queue.popleft()
+            try:
+                done.set_result(await job())
+            except Exception as exc:  # the job logs its own failures; keep draining
+                done.set_exception(exc)
+            finally:
+                self.queued_bytes -= nbytes
+                self.per_tenant[tenant] -= nbytes
+
+    async def drain(self) -> None:
+        """Waits until every queued write-back has run."""
+        while self._worker is not None and not self._worker.done():
+            await asyncio.shield(self._worker)

@@ -24,7 +24,7 @@ import torch
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace
 
-from .admission import AdmissionController, Decision
+from .admission import AdmissionController, Decision, WriteBackQueue
 from .cache import KVCache
 from .config import ModelConfig
 from .weights import build_model
@@ -49,6 +49,7 @@ class Timings:
     bytes_written: int = 0  # known once the write-back finished (see GenerateResult.write_back)
     recomputed_after_failed_restore: bool = False
     decision: Decision | None = None  # the admission controller's, when the engine has one
+    write_back_dropped: bool = False  # the write-back queue was full (admission only)
 
 
 @dataclass
@@ -56,7 +57,7 @@ class GenerateResult:
     tokens: list[int]
     timings: Timings
     first_logits: torch.Tensor = field(repr=False)
-    write_back: asyncio.Task | None = field(default=None, repr=False)
+    write_back: asyncio.Future | None = field(default=None, repr=False)  # None: nothing to write, or dropped
 
 
 class Engine:
@@ -81,8 +82,14 @@ class Engine:
         self.pool = pool if pool is not None else BufferPool()
         self.ttl_class = ttl_class
         self.write_back = write_back
-        # decides, per request, how much of a cached prefix to restore (default: all of it)
+        # decides, per request, how much of a cached prefix to restore (default: all of it),
+        # and holds write-backs back while restores wait
         self.admission = admission
+        self.writebacks: WriteBackQueue | None = None
+        if admission is not None:
+            idle = asyncio.Event()
+            admission.on_idle = idle.set
+            self.writebacks = WriteBackQueue(lambda: admission.queued_bytes > 0, idle)
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-engine")
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
@@ -171,8 +178,16 @@ class Engine:
         full_blocks = n // self.layout.block_tokens
         first_new = 0 if timings.recomputed_after_failed_restore else blocks
         if self.write_back and full_blocks > first_new:
-            task = loop.create_task(self._write_back(tokens[: full_blocks * self.layout.block_tokens], cache, buf,
-                                                     first_new, max_tokens, timings))
+            job = lambda: self._write_back(tokens[: full_blocks * self.layout.block_tokens], cache, buf,  # noqa: E731
+                                           first_new, max_tokens, timings)
+            if self.writebacks is None:
+                task = loop.create_task(job())
+            else:
+                task = self.writebacks.submit(self.namespace.tenant,
+                                              (full_blocks - first_new) * self.layout.payload_bytes, job)
+                timings.write_back_dropped = task is None
+                if task is None:
+                    self.pool.put(buf)
         else:
             self.pool.put(buf)
         return GenerateResult(out, timings, first_logits, task)
@@ -183,6 +198,8 @@ class Engine:
             res = await self.client.write(self.namespace, tokens, cache.bytes(), self.layout, self.ttl_class,
                                           first_block=first_block, buffer_tokens=max_tokens)
             timings.bytes_written = res.bytes_written
+            if self.admission is not None:
+                self.admission.write_finished(res.bytes_written, res.seconds)
         except KvfsError as err:  # the answer is out already; a cache miss later is the only cost
             log.warning("write-back of %d blocks failed: %s", len(tokens) // self.layout.block_tokens - first_block,
                         err.message)

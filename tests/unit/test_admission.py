@@ -74,3 +74,34 @@ def test_queue_and_bandwidth_follow_what_the_engine_reports():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy must be one of"):
         AdmissionController(policy="sometimes")
+
+
+async def test_write_backs_wait_for_restores_and_are_dropped_past_the_bound():
+    import asyncio
+
+    from kvfs.engine.admission import WriteBackQueue
+
+    c = AdmissionController()
+    idle = asyncio.Event()
+    c.on_idle = idle.set
+    q = WriteBackQueue(lambda: c.queued_bytes > 0, idle, max_bytes=300, per_tenant_bytes=200)
+    ran = []
+
+    def job(name):
+        async def run():
+            ran.append(name)
+            return name
+        return run
+
+    c.restore_issued(1000)  # a restore is waiting
+    first = q.submit("a", 100, job("a1"))
+    second = q.submit("b", 150, job("b1"))
+    assert q.submit("b", 100, job("b2")) is None  # tenant b would pass its 200-byte cap
+    assert q.submit("c", 100, job("c1")) is None  # the queue would pass 300 bytes
+    assert (q.dropped, q.dropped_bytes) == (2, 200)
+    await asyncio.sleep(0)
+    assert ran == [] and q.deferred == 1  # nothing runs while the restore waits
+    c.restore_finished(1000, 0.5)  # the read queue empties: write-backs go, in order
+    assert await first == "a1" and await second == "b1"
+    await q.drain()
+    assert ran == ["a1", "b1"] and q.queued_bytes == 0
