@@ -123,8 +123,13 @@ async def test_bad_input_gets_clear_statuses_and_the_server_serves_on(chunkserve
             await client.write(b"", b"x")
         with pytest.raises(InvalidArgument, match="chunk id"):
             await client.read_chunk(b"y" * 65)
-        with pytest.raises(InvalidArgument, match="chunk length"):
-            await client.write(b"huge", os.urandom(8 * MiB + 1))
+        # a header announcing an oversize chunk is refused before any data is taken (only the
+        # header is sent: a client still streaming data would race the refusal)
+        stub = chunk_pb2_grpc.ChunkServiceStub(client._channel)
+        header = chunk_pb2.ChunkHeader(chunk_id=b"huge", length=8 * MiB + 1, checksum=1)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.WriteChunk(iter([chunk_pb2.WriteChunkRequest(header=header)]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chunk length" in info.value.details()
         with pytest.raises(InvalidArgument, match="at most 16"):
             await client.read([(b"known", 0, 0)] * 17)
         await client.write(b"three", os.urandom(3 * MiB))
