@@ -101,6 +101,60 @@ def _ttft(args) -> int:
     return 0
 
 
+def _restore(args) -> int:
+    from rich.progress import Progress
+
+    from kvfs.engine import ModelConfig
+    from kvfs.keys import Namespace
+    from kvfs.launcher import LocalCluster
+
+    from .restore import make_workload, prompts_for, run_policy, warm_up
+
+    cfg = ModelConfig.preset(args.preset)
+    policies = args.policy.split(",")
+    workload = make_workload(args.prompt_tokens, args.hit_ratio, args.requests, args.seed)
+    hits = sum(r.hit for r in workload)
+    console.print(f"kvfs-bench restore: {len(workload)} requests ({hits} hits), lengths {args.prompt_tokens}, "
+                  f"concurrency {args.concurrency}, the {args.preset} model, policies {', '.join(policies)}")
+    ns = Namespace("bench", f"restore-{args.preset}-{args.seed}")
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    cluster = None
+    if not args.meta:
+        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB").start()
+    meta = args.meta or cluster.meta_address
+    results = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
+            asyncio.run(warm_up(meta, cfg, workload, prompts_for(cfg, workload, args.seed, 0), ns,
+                                lambda: progress.advance(task)))
+            for i, policy in enumerate(policies, start=1):
+                task = progress.add_task(f"policy {policy}", total=len(workload))
+                results.append(asyncio.run(run_policy(meta, cfg, policy, workload,
+                                                      prompts_for(cfg, workload, args.seed, i), args.concurrency,
+                                                      ns, lambda t=task: progress.advance(t))))
+    finally:
+        if cluster:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table(title="time to first token per policy (seconds)")
+    for col in ("policy", "hit p50", "hit p99", "miss p50", "miss p99", "all mean", "all p99", "restore GB/s",
+                "write-back GB/s", "dropped", "restore/partial/recompute"):
+        table.add_column(col, justify="right")
+    for r in results:
+        h, m, a, d = r["ttft_hit"], r["ttft_miss"], r["ttft_all"], r["decisions"]
+        table.add_row(r["policy"], f"{h.get('p50', 0):.3f}", f"{h.get('p99', 0):.3f}", f"{m.get('p50', 0):.3f}",
+                      f"{m.get('p99', 0):.3f}", f"{a['mean']:.3f}", f"{a['p99']:.3f}", f"{r['restore_gbps']:.2f}",
+                      f"{r['write_back_gbps']:.3f}", str(r["write_backs_dropped"]),
+                      f"{d.get('restore', 0)}/{d.get('partial', 0)}/{d.get('recompute', 0)}")
+    console.print(table)
+    _write_json(args.json, {"bench": "restore", **_host(), "config": {
+        "preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
+        "requests": args.requests, "concurrency": args.concurrency, "policies": policies, "seed": args.seed,
+        "hits": hits}, "results": results})
+    return 0
+
+
 def _host() -> dict:
     return {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}}
@@ -136,10 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     ttft.add_argument("--preset", default="bench")
     ttft.add_argument("--tokens", default="2048,8192,32768", help="prompt lengths, comma-separated")
     ttft.add_argument("--chunkservers", type=int, default=3)
-    for p in (io, prefix, ttft):
+    restore = sub.add_parser("restore", help="TTFT of concurrent hits and misses under each admission policy")
+    restore.add_argument("--preset", default="bench")
+    restore.add_argument("--prompt-tokens", default="8192",
+                         help="a length, a list (cycled), or lognormal:median=N,sigma=S")
+    restore.add_argument("--hit-ratio", type=float, default=0.5)
+    restore.add_argument("--requests", type=int, default=32)
+    restore.add_argument("--concurrency", type=int, default=8)
+    restore.add_argument("--policy", default="adaptive,always-restore,always-recompute")
+    restore.add_argument("--seed", type=int, default=0)
+    restore.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
+    restore.add_argument("--chunkservers", type=int, default=3)
+    for p in (io, prefix, ttft, restore):
         p.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    return {"io": _io, "prefix": _prefix, "ttft": _ttft}[args.cmd](args)
+    return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore}[args.cmd](args)
 
 
 if __name__ == "__main__":

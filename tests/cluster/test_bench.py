@@ -50,3 +50,19 @@ def test_ttft_bench_report_shape(tmp_path):
         assert r["bytes_restored"] == (r["tokens"] // 64) * 64 * 2 * 48 * 2  # blocks x tokens x layers x kv_dim x bf16
         assert 0 <= r["hidden_fraction"] <= 1
     assert "speedup" in stdout
+
+
+def test_restore_bench_report_shape_and_counts(tmp_path):
+    report, stdout = run(["restore", "--preset", "tiny", "--prompt-tokens", "130,260", "--requests", "8",
+                          "--concurrency", "3", "--hit-ratio", "0.5", "--chunkservers", "2"], tmp_path)
+    config, results = report["config"], report["results"]
+    assert [r["policy"] for r in results] == ["adaptive", "always-restore", "always-recompute"]
+    for r in results:
+        assert r["ttft_hit"]["count"] == config["hits"]
+        assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == config["requests"] == 8
+        assert sum(r["decisions"].values()) == config["hits"]  # every hit was decided, no miss was
+        assert r["ttft_all"]["p99"] >= r["ttft_all"]["p50"] > 0
+    assert results[2]["decisions"] == {"recompute": config["hits"]} and results[2]["bytes_restored"] == 0
+    if config["hits"]:
+        assert results[1]["decisions"] == {"restore": config["hits"]} and results[1]["bytes_restored"] > 0
+    assert "time to first token per policy" in stdout
