@@ -44,7 +44,8 @@ class Timings:
     prefill: float = 0.0
     ttft: float = 0.0
     decode: float = 0.0
-    tokens_matched: int = 0
+    tokens_cached: int = 0  # leading tokens the lookup found in kvfs
+    tokens_matched: int = 0  # of those, the ones restored (all, unless admission decided otherwise)
     bytes_restored: int = 0
     bytes_written: int = 0  # known once the write-back finished (see GenerateResult.write_back)
     recomputed_after_failed_restore: bool = False
@@ -109,6 +110,7 @@ class Engine:
         timings = Timings()
         match = await self.client.lookup(self.namespace, tokens)
         timings.lookup = match.lookup_seconds
+        timings.tokens_cached = match.tokens
         max_tokens = n + max_new_tokens
         buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
         cache = KVCache(self.cfg, max_tokens, buf)

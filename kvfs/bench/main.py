@@ -137,21 +137,71 @@ def _restore(args) -> int:
         if cluster:
             cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
-    table = Table(title="time to first token per policy (seconds)")
-    for col in ("policy", "hit p50", "hit p99", "miss p50", "miss p99", "all mean", "all p99", "restore GB/s",
-                "write-back GB/s", "dropped", "restore/partial/recompute"):
-        table.add_column(col, justify="right")
-    for r in results:
-        h, m, a, d = r["ttft_hit"], r["ttft_miss"], r["ttft_all"], r["decisions"]
-        table.add_row(r["policy"], f"{h.get('p50', 0):.3f}", f"{h.get('p99', 0):.3f}", f"{m.get('p50', 0):.3f}",
-                      f"{m.get('p99', 0):.3f}", f"{a['mean']:.3f}", f"{a['p99']:.3f}", f"{r['restore_gbps']:.2f}",
-                      f"{r['write_back_gbps']:.3f}", str(r["write_backs_dropped"]),
-                      f"{d.get('restore', 0)}/{d.get('partial', 0)}/{d.get('recompute', 0)}")
-    console.print(table)
+    console.print(_policy_table(results))
     _write_json(args.json, {"bench": "restore", **_host(), "config": {
         "preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
         "requests": args.requests, "concurrency": args.concurrency, "policies": policies, "seed": args.seed,
         "hits": hits}, "results": results})
+    return 0
+
+
+def _policy_table(results: list[dict]) -> Table:
+    table = Table(title="time to first token per policy (seconds)")
+    columns = ["policy", "hit p50", "hit p99", "miss p50", "miss p99", "all mean", "all p99", "restore GB/s",
+               "write-back GB/s", "dropped", "restore/partial/recompute"]
+    if "token_hit_ratio" in results[0]:
+        columns.append("token hit ratio")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in results:
+        h, m, a, d = r["ttft_hit"], r["ttft_miss"], r["ttft_all"], r["decisions"]
+        row = [r["policy"], f"{h.get('p50', 0):.3f}", f"{h.get('p99', 0):.3f}", f"{m.get('p50', 0):.3f}",
+               f"{m.get('p99', 0):.3f}", f"{a['mean']:.3f}", f"{a['p99']:.3f}", f"{r['restore_gbps']:.2f}",
+               f"{r['write_back_gbps']:.3f}", str(r["write_backs_dropped"]),
+               f"{d.get('restore', 0)}/{d.get('partial', 0)}/{d.get('recompute', 0)}"]
+        if "token_hit_ratio" in r:
+            row.append(f"{r['token_hit_ratio']:.1%}")
+        table.add_row(*row)
+    return table
+
+
+def _trace(args) -> int:
+    from rich.progress import Progress
+
+    from kvfs.engine import ModelConfig
+    from kvfs.keys import Namespace
+    from kvfs.launcher import LocalCluster
+
+    from .restore import load_trace, replay
+
+    cfg = ModelConfig.preset(args.preset)
+    trace = load_trace(args.path, args.limit, cfg.vocab_size)
+    policies = args.policy.split(",")
+    cacheable = sum(c for _, _, c in trace) / max(1, sum(len(t) for _, t, _ in trace))
+    console.print(f"kvfs-bench trace: {len(trace)} requests from {args.path}, {sum(len(t) for _, t, _ in trace)} "
+                  f"prompt tokens ({cacheable:.1%} in blocks with hash ids), time / {args.speed}, the {args.preset} "
+                  f"model, policies {', '.join(policies)}")
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    cluster = None
+    if not args.meta:
+        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB").start()
+    meta = args.meta or cluster.meta_address
+    results = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            for policy in policies:
+                task = progress.add_task(f"policy {policy}", total=len(trace))
+                ns = Namespace("bench", f"trace-{args.preset}-{policy}")  # every policy starts cold
+                results.append(asyncio.run(replay(meta, cfg, policy, trace, args.speed, args.concurrency, ns,
+                                                  lambda t=task: progress.advance(t))))
+    finally:
+        if cluster:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    console.print(_policy_table(results))
+    _write_json(args.json, {"bench": "trace", **_host(), "config": {
+        "path": args.path, "limit": args.limit, "requests": len(trace), "speed": args.speed,
+        "concurrency": args.concurrency, "preset": args.preset, "policies": policies}, "results": results})
     return 0
 
 
@@ -201,10 +251,19 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--seed", type=int, default=0)
     restore.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
     restore.add_argument("--chunkservers", type=int, default=3)
-    for p in (io, prefix, ttft, restore):
+    trace = sub.add_parser("trace", help="replay a Mooncake-format trace through the engine and cluster")
+    trace.add_argument("path")
+    trace.add_argument("--limit", type=int, help="only the first N requests")
+    trace.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this")
+    trace.add_argument("--preset", default="tiny")
+    trace.add_argument("--concurrency", type=int, default=8)
+    trace.add_argument("--policy", default="adaptive")
+    trace.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
+    trace.add_argument("--chunkservers", type=int, default=3)
+    for p in (io, prefix, ttft, restore, trace):
         p.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore}[args.cmd](args)
+    return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -66,3 +66,27 @@ def test_restore_bench_report_shape_and_counts(tmp_path):
     if config["hits"]:
         assert results[1]["decisions"] == {"restore": config["hits"]} and results[1]["bytes_restored"] > 0
     assert "time to first token per policy" in stdout
+
+
+def test_trace_bench_replays_a_mooncake_format_trace(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [  # hash ids are 512-token blocks; requests 2 and 3 reuse request 1's first blocks
+        {"timestamp": 0, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1]},
+        {"timestamp": 10, "input_length": 700, "output_length": 1, "hash_ids": [7]},
+        {"timestamp": 20, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1]},
+        {"timestamp": 30, "input_length": 600, "output_length": 1, "hash_ids": [0]},
+        {"timestamp": 40, "input_length": 900, "output_length": 1, "hash_ids": [9]},
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report, stdout = run(["trace", str(trace), "--limit", "4", "--speed", "1000", "--concurrency", "1",
+                          "--chunkservers", "2", "--policy", "adaptive,always-recompute"], tmp_path)
+    assert report["config"]["requests"] == 4
+    adaptive, recompute = report["results"]
+    for r in (adaptive, recompute):
+        assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == 4
+        assert sum(r["decisions"].values()) == r["ttft_hit"]["count"]
+    # one at a time, each request sees the write-backs of those before it (when they were not deferred):
+    # the third reuses 1024 tokens, the fourth 512
+    assert adaptive["ttft_hit"]["count"] >= 1 and 0 < adaptive["token_hit_ratio"] <= 1536 / 3500
+    assert recompute["bytes_restored"] == 0 and recompute["decisions"].get("recompute", 0) >= 1
+    assert "token" in stdout and "ratio" in stdout  # the column header (rich may wrap it)
