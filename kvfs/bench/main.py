@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -106,8 +107,6 @@ def _restore(args) -> int:
 
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
-    from kvfs.launcher import LocalCluster
-
     from .restore import make_workload, prompts_for, run_policy, warm_up
 
     cfg = ModelConfig.preset(args.preset)
@@ -117,32 +116,39 @@ def _restore(args) -> int:
     console.print(f"kvfs-bench restore: {len(workload)} requests ({hits} hits), lengths {args.prompt_tokens}, "
                   f"concurrency {args.concurrency}, the {args.preset} model, policies {', '.join(policies)}")
     ns = Namespace("bench", f"restore-{args.preset}-{args.seed}")
-    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
-    cluster = None
-    if not args.meta:
-        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB").start()
-    meta = args.meta or cluster.meta_address
     results = []
-    try:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
-            asyncio.run(warm_up(meta, cfg, workload, prompts_for(cfg, workload, args.seed, 0), ns,
-                                lambda: progress.advance(task)))
-            for i, policy in enumerate(policies, start=1):
-                task = progress.add_task(f"policy {policy}", total=len(workload))
-                results.append(asyncio.run(run_policy(meta, cfg, policy, workload,
-                                                      prompts_for(cfg, workload, args.seed, i), args.concurrency,
-                                                      ns, lambda t=task: progress.advance(t))))
-    finally:
-        if cluster:
-            cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with _cluster(args) as meta, Progress(console=console, transient=True) as progress:
+        task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
+        asyncio.run(warm_up(meta, cfg, workload, prompts_for(cfg, workload, args.seed, 0), ns,
+                            lambda: progress.advance(task)))
+        for i, policy in enumerate(policies, start=1):
+            task = progress.add_task(f"policy {policy}", total=len(workload))
+            results.append(asyncio.run(run_policy(meta, cfg, policy, workload,
+                                                  prompts_for(cfg, workload, args.seed, i), args.concurrency,
+                                                  ns, lambda t=task: progress.advance(t))))
     console.print(_policy_table(results))
     _write_json(args.json, {"bench": "restore", **_host(), "config": {
         "preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
         "requests": args.requests, "concurrency": args.concurrency, "policies": policies, "seed": args.seed,
         "hits": hits}, "results": results})
     return 0
+
+
+@contextlib.contextmanager
+def _cluster(args):
+    """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here."""
+    if args.meta:
+        yield args.meta
+        return
+    from kvfs.launcher import LocalCluster
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
+    try:
+        yield cluster.start().meta_address
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _policy_table(results: list[dict]) -> Table:
@@ -170,8 +176,6 @@ def _trace(args) -> int:
 
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
-    from kvfs.launcher import LocalCluster
-
     from .restore import load_trace, replay
 
     cfg = ModelConfig.preset(args.preset)
@@ -181,23 +185,13 @@ def _trace(args) -> int:
     console.print(f"kvfs-bench trace: {len(trace)} requests from {args.path}, {sum(len(t) for _, t, _ in trace)} "
                   f"prompt tokens ({cacheable:.1%} in blocks with hash ids), time / {args.speed}, the {args.preset} "
                   f"model, policies {', '.join(policies)}")
-    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
-    cluster = None
-    if not args.meta:
-        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB").start()
-    meta = args.meta or cluster.meta_address
     results = []
-    try:
-        with Progress(console=console, transient=True) as progress:
-            for policy in policies:
-                task = progress.add_task(f"policy {policy}", total=len(trace))
-                ns = Namespace("bench", f"trace-{args.preset}-{policy}")  # every policy starts cold
-                results.append(asyncio.run(replay(meta, cfg, policy, trace, args.speed, args.concurrency, ns,
-                                                  lambda t=task: progress.advance(t))))
-    finally:
-        if cluster:
-            cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with _cluster(args) as meta, Progress(console=console, transient=True) as progress:
+        for policy in policies:
+            task = progress.add_task(f"policy {policy}", total=len(trace))
+            ns = Namespace("bench", f"trace-{args.preset}-{policy}")  # every policy starts cold
+            results.append(asyncio.run(replay(meta, cfg, policy, trace, args.speed, args.concurrency, ns,
+                                              lambda t=task: progress.advance(t))))
     console.print(_policy_table(results))
     _write_json(args.json, {"bench": "trace", **_host(), "config": {
         "path": args.path, "limit": args.limit, "requests": len(trace), "speed": args.speed,

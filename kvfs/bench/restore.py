@@ -80,57 +80,69 @@ async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompts:
         engine.close()
 
 
-async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Request], prompts: list[list[int]],
-                     concurrency: int, namespace: Namespace, progress=None) -> dict:
+async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
+                 requests: list[tuple[float, list[int], bool | None]], concurrency: int, speed: float = 1.0,
+                 progress=None) -> dict:
+    """Serves (arrival seconds, tokens, hit) requests through one engine under `policy`,
+    at most `concurrency` at a time, arrivals divided by `speed`. `hit` None means
+    "counted a hit when kvfs held a prefix of it"."""
     admission = AdmissionController(policy=policy)
-    pool = BufferPool(arena_bytes=0)
     async with Client(meta) as client:
-        engine = Engine(cfg, client, namespace, pool=pool, admission=admission)
+        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission)
+        slots = asyncio.Semaphore(concurrency)
         ttft = {"hit": [], "miss": []}
-        restored = written = 0
-        restore_s = 0.0
-        dropped = 0
-        queue = list(zip(workload, prompts))
-        started = time.perf_counter()
+        totals = {"prompt_tokens": 0, "cached_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0}
         write_backs = []
+        t0 = time.perf_counter()
 
-        async def worker():
-            nonlocal restored, restore_s, dropped
-            while queue:
-                req, tokens = queue.pop(0)
+        async def serve(arrival, tokens, hit):
+            await asyncio.sleep(max(0.0, arrival / speed - (time.perf_counter() - t0)))
+            async with slots:
                 result = await engine.agenerate(tokens, 1)
-                t = result.timings
-                ttft["hit" if req.hit else "miss"].append(t.ttft)
-                restored += t.bytes_restored
-                restore_s += t.restore
-                dropped += t.write_back_dropped
-                if result.write_back is not None:
-                    write_backs.append((result.write_back, t))
-                if progress:
-                    progress()
+            t = result.timings
+            ttft["hit" if (t.tokens_cached if hit is None else hit) else "miss"].append(t.ttft)
+            totals["prompt_tokens"] += len(tokens)
+            totals["cached_tokens"] += t.tokens_cached
+            totals["restored"] += t.bytes_restored
+            totals["restore_s"] += t.restore
+            totals["dropped"] += t.write_back_dropped
+            if result.write_back is not None:
+                write_backs.append((result.write_back, t))
+            if progress:
+                progress()
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(serve(*r) for r in requests))
         await engine.writebacks.drain()
+        written = 0
         for fut, t in write_backs:
             await asyncio.gather(fut, return_exceptions=True)
             written += t.bytes_written
-        wall = time.perf_counter() - started
+        wall = time.perf_counter() - t0
         engine.close()
     return {
         "policy": policy,
         "ttft_hit": percentiles(ttft["hit"]),
         "ttft_miss": percentiles(ttft["miss"]),
         "ttft_all": percentiles(ttft["hit"] + ttft["miss"]),
-        "restore_gbps": restored / restore_s / 1e9 if restore_s else 0.0,
-        "bytes_restored": restored,
+        "token_hit_ratio": totals["cached_tokens"] / max(1, totals["prompt_tokens"]),
+        "restore_gbps": totals["restored"] / totals["restore_s"] / 1e9 if totals["restore_s"] else 0.0,
+        "bytes_restored": totals["restored"],
         "bytes_written": written,
         "write_back_gbps": written / wall / 1e9,
-        "write_backs_dropped": dropped,
+        "write_backs_dropped": totals["dropped"],
         "decisions": dict(admission.decisions),
         "hedges": 0,  # hedged reads are not implemented yet
         "wall_s": wall,
     }
 
+
+async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Request], prompts: list[list[int]],
+                     concurrency: int, namespace: Namespace, progress=None) -> dict:
+    """The whole workload at once, in order, `concurrency` requests in service."""
+    result = await _serve(meta, cfg, policy, namespace, [(0.0, t, r.hit) for r, t in zip(workload, prompts)],
+                          concurrency, progress=progress)
+    del result["token_hit_ratio"]  # the workload sets it
+    return result
 
 def load_trace(path: str, limit: int | None, vocab: int, block: int = 512) -> list[tuple[float, list[int], int]]:
     """A Mooncake-format trace as (arrival seconds, prompt tokens, cacheable tokens).
@@ -161,51 +173,5 @@ def load_trace(path: str, limit: int | None, vocab: int, block: int = 512) -> li
 async def replay(meta: str, cfg: ModelConfig, policy: str, trace, speed: float, concurrency: int,
                  namespace: Namespace, progress=None) -> dict:
     """Replays arrivals (compressed by `speed`) with at most `concurrency` requests in service."""
-    admission = AdmissionController(policy=policy)
-    async with Client(meta) as client:
-        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission)
-        slots = asyncio.Semaphore(concurrency)
-        ttft = {"hit": [], "miss": []}
-        totals = {"prompt_tokens": 0, "matched_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0}
-        write_backs = []
-        t0 = time.perf_counter()
-
-        async def serve(arrival, tokens):
-            await asyncio.sleep(max(0.0, arrival / speed - (time.perf_counter() - t0)))
-            async with slots:
-                result = await engine.agenerate(tokens, 1)
-            t = result.timings
-            ttft["hit" if t.tokens_cached else "miss"].append(t.ttft)
-            totals["prompt_tokens"] += len(tokens)
-            totals["matched_tokens"] += t.tokens_cached
-            totals["restored"] += t.bytes_restored
-            totals["restore_s"] += t.restore
-            totals["dropped"] += t.write_back_dropped
-            if result.write_back is not None:
-                write_backs.append((result.write_back, t))
-            if progress:
-                progress()
-
-        await asyncio.gather(*(serve(arrival, tokens) for arrival, tokens, _ in trace))
-        await engine.writebacks.drain()
-        written = 0
-        for fut, t in write_backs:
-            await asyncio.gather(fut, return_exceptions=True)
-            written += t.bytes_written
-        wall = time.perf_counter() - t0
-        engine.close()
-    return {
-        "policy": policy,
-        "ttft_hit": percentiles(ttft["hit"]),
-        "ttft_miss": percentiles(ttft["miss"]),
-        "ttft_all": percentiles(ttft["hit"] + ttft["miss"]),
-        "token_hit_ratio": totals["matched_tokens"] / max(1, totals["prompt_tokens"]),
-        "restore_gbps": totals["restored"] / totals["restore_s"] / 1e9 if totals["restore_s"] else 0.0,
-        "bytes_restored": totals["restored"],
-        "bytes_written": written,
-        "write_back_gbps": written / wall / 1e9,
-        "write_backs_dropped": totals["dropped"],
-        "decisions": dict(admission.decisions),
-        "hedges": 0,
-        "wall_s": wall,
-    }
+    return await _serve(meta, cfg, policy, namespace, [(arrival, tokens, None) for arrival, tokens, _ in trace],
+                        concurrency, speed, progress)
