@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import xxhash
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from kvfs.buffers import PAGE, aligned_bytearray
+from kvfs.checksum import BLOCK, block_checksums
+from kvfs.checksum import chunk_checksum as checksum
 from kvfs.config import ChunkserverConfig, MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
 
@@ -39,21 +40,10 @@ from .uring import open_reader
 
 log = logging.getLogger(__name__)
 
-BLOCK = 64 * 1024  # checksum granularity: a ranged read verifies only the blocks it touches
 MAX_ID = 64
 _KEY_PREFIX = b"c"
 _HEAD = struct.Struct("<BBIIIQdI")  # version, log2(class), file, slot, length, xxh3, created, blocks
 _VERSION = 1
-
-
-def checksum(data) -> int:
-    """The chunk checksum kvfs uses everywhere: xxh3-64 of the bytes."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def block_checksums(data) -> list[int]:
-    view = memoryview(data)
-    return [checksum(view[i : i + BLOCK]) for i in range(0, len(view), BLOCK)]
 
 
 def short_id(chunk_id: bytes) -> str:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from kvfs.checksum import chunk_checksum
 from kvfs.errors import from_code, from_rpc_error
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
@@ -16,13 +17,6 @@ from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.config import MiB
 
 WRITE_PIECE = 4 * MiB  # bytes per message of a streamed WriteChunk
-
-
-def chunk_checksum(data) -> int:
-    """xxh3-64 of a chunk's bytes: what WriteChunk expects in its header."""
-    import xxhash
-
-    return xxhash.xxh3_64_intdigest(data)
 
 
 class ChunkClient:

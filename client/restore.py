@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvfs.buffers import byte_view
 from kvfs.errors import Internal, InvalidArgument, KvfsError, Unavailable
-from kvfs.layout import BlockLayout, ChunkSpan
+from kvfs.layout import BlockLayout
 
 from .transport import ReadSpec, ServerInfo
 
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Item:
     block: int
-    span: ChunkSpan
     spec: ReadSpec
     layers: list[int]
     replicas: list[ServerInfo]  # in preference order
@@ -103,7 +102,7 @@ class Restore:
                 hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
                 spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, layout.scatter(sub, b, tokens))
-                items.append(_Item(b, span, spec, need, [match.servers[i] for i in c.replicas]))
+                items.append(_Item(b, spec, need, [match.servers[i] for i in c.replicas]))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))
         self._ready_upto = 0  # index into self.layers of the first layer not yet ready

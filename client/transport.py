@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvfs import wire
@@ -126,7 +126,6 @@ class _Pending:
     future: asyncio.Future
     region: int = -1  # shm staging region, if any
     zero_copy: bool = False  # the server wrote straight into `out`
-    errors: list = field(default_factory=list)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvfs.checksum import BLOCK
+
 MAGIC = b"KVFS"
 VERSION = 1
 HEADER = struct.Struct("<4sBBHQII")
@@ -43,7 +45,6 @@ READ, READ_SHM, SHM_REGISTER = 1, 2, 3
 READ_REPLY, STATUS = 0x81, 0x83
 REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER)
 
-BLOCK = 64 * 1024
 MAX_ID = 64
 MAX_RANGES = 4096
 MAX_PIECES = 1024  # per READ_SHM range
