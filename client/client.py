@@ -19,6 +19,7 @@ from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 
 from .chunks import ChunkClient, chunk_checksum
+from .hedge import HedgeBudget, ServerLatency
 from .restore import Restore
 from .transport import GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
 
@@ -93,11 +94,17 @@ class Client:
     chunkserver's data port, through shared memory when the server is on this
     host and TCP otherwise, and gRPC for servers without a data port; "tcp",
     "shm" and "grpc" force one. Writes and metadata always go over gRPC.
+
+    `hedge` (default on): a batch of chunk reads still out after its server's
+    measured p95 is also requested from another replica, the first good answer
+    is used (at most `hedge_budget` of batches are hedged). `latency` holds the
+    per-server measurements, `hedges` the counts.
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
-                 transport: str = "auto", data_connections: int = 2):
+                 transport: str = "auto", data_connections: int = 2, hedge: bool = True,
+                 hedge_budget: float = 0.05):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.metaserver = metaserver
@@ -115,6 +122,9 @@ class Client:
         self._channel = grpc.aio.insecure_channel(metaserver, options=CHANNEL_OPTIONS)
         self._meta = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._chunk_clients: dict[str, ChunkClient] = {}
+        self.hedge = hedge
+        self.latency = ServerLatency()
+        self.hedges = HedgeBudget(hedge_budget)
 
     async def close(self) -> None:
         for t in self._transports.values():
@@ -174,7 +184,8 @@ class Client:
         if match.matched == 0:
             raise InvalidArgument("nothing matched: there is nothing to read")
         return Restore(self.transport_for, match, out, layers, blocks, buffer_tokens,
-                       self.per_server_reads, self.read_batch)
+                       self.per_server_reads, self.read_batch,
+                       (self.latency, self.hedges) if self.hedge else None)
 
     async def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,
                     ttl_class: str = "", *, first_block: int = 0, buffer_tokens: int | None = None) -> WriteResult:

@@ -19,10 +19,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvfs.buffers import byte_view
-from kvfs.errors import Internal, InvalidArgument, KvfsError, Unavailable
+from kvfs.buffers import address_of, byte_view
+from kvfs.errors import Aborted, Internal, InvalidArgument, KvfsError, Unavailable
 from kvfs.layout import BlockLayout
 
+from .hedge import Fence, HedgeBudget, ServerLatency
+from .pool import arena_of
 from .transport import ReadSpec, ServerInfo
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,9 @@ class _Item:
     spec: ReadSpec
     layers: list[int]
     replicas: list[ServerInfo]  # in preference order
-    tried: set[str] = field(default_factory=set)  # addresses
+    tried: set[str] = field(default_factory=set)  # addresses that failed it
+    reading: int = 0  # reads of it in flight (2 while hedged)
+    done: bool = False
 
     @property
     def read_length(self) -> int:
@@ -46,6 +50,8 @@ class RestoreStats:
     bytes: int = 0
     chunks: int = 0
     retries: int = 0
+    hedges: int = 0  # chunks also requested from another replica because their server was slow
+    hedges_won: int = 0  # of those, chunks the hedge delivered first
     seconds: float = 0.0
     per_server: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
 
@@ -57,10 +63,16 @@ class RestoreStats:
 class Restore:
     """A restore in progress. `await r.layer_ready(l)` returns once layers 0..l
     are in the buffer; `async for l in r` yields layers in order; `await r.wait()`
-    returns RestoreStats once everything is in, or raises why it could not be."""
+    returns RestoreStats once everything is in, or raises why it could not be.
+
+    With `hedging` (a client's ServerLatency and HedgeBudget), a batch still out
+    after its server's p95 is also requested from other replicas (see hedge.py).
+    Not when the destination lies in a shared arena: there the chunkserver writes
+    it itself, and such a write can't be fenced off."""
 
     def __init__(self, transport_for, match, out, layers: Iterable[int] | None, blocks: int | None,
-                 buffer_tokens: int | None, per_server: int, batch: int):
+                 buffer_tokens: int | None, per_server: int, batch: int,
+                 hedging: tuple[ServerLatency, HedgeBudget] | None = None):
         self.layout: BlockLayout = match.layout
         self.blocks = match.matched if blocks is None else min(blocks, match.matched)
         layout = self.layout
@@ -72,6 +84,9 @@ class Restore:
         if len(self._out) < layout.buffer_bytes(tokens):
             raise InvalidArgument(f"destination holds {len(self._out)} bytes; {self.blocks} blocks of "
                                   f"{tokens} tokens need {layout.buffer_bytes(tokens)}")
+        if hedging is not None and arena_of(address_of(self._out), len(self._out)) is not None:
+            hedging = None
+        self._hedging = hedging
         self._transport_for = transport_for
         self._per_server = per_server
         self._batch = batch
@@ -84,7 +99,7 @@ class Restore:
         self._load: dict[str, int] = collections.defaultdict(int)
         self._workers: dict[str, int] = collections.defaultdict(int)
         self._tasks: set[asyncio.Task] = set()
-        self._pending = 0
+        self.reads_in_flight = 0  # batch reads not yet answered (a hedge's loser may outlive the restore)
         self._done = asyncio.Event()
         self._started = time.perf_counter()
         items = []
@@ -101,10 +116,12 @@ class Restore:
                 lo = max(span.offset, need[0] * layout.layer_bytes)
                 hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
-                spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, layout.scatter(sub, b, tokens))
+                spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, layout.scatter(sub, b, tokens),
+                                Fence() if hedging is not None and len(c.replicas) > 1 else None)
                 items.append(_Item(b, spec, need, [match.servers[i] for i in c.replicas]))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))
+        self._left = len(items)  # items not yet in the buffer
         self._ready_upto = 0  # index into self.layers of the first layer not yet ready
         self._advance()
         for it in items:
@@ -114,8 +131,9 @@ class Restore:
 
     # ---- scheduling ------------------------------------------------------
 
-    def _enqueue(self, item: _Item) -> None:
+    def _enqueue(self, item: _Item, avoid: str = "") -> None:
         choices = [s for s in item.replicas if s.address not in item.tried]
+        choices = [s for s in choices if s.address != avoid] or choices
         if not choices:
             self._fail(Unavailable(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every "
                                    f"replica failed ({', '.join(sorted(item.tried))})"))
@@ -123,49 +141,109 @@ class Restore:
         server = min(choices, key=lambda s: (self._load[s.address], item.replicas.index(s)))
         self._load[server.address] += item.read_length
         self._queues[server.address].append(item)
-        self._pending += 1
         if self._workers[server.address] < self._per_server:
             self._workers[server.address] += 1
-            task = asyncio.get_running_loop().create_task(self._worker(server))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._worker(server))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _worker(self, server: ServerInfo) -> None:
         queue = self._queues[server.address]
         try:
             while queue and self._error is None:
                 batch = [queue.popleft() for _ in range(min(self._batch, len(queue)))]
+                for it in batch:
+                    it.reading += 1
                 await self._read_batch(server, batch)
         finally:
             self._workers[server.address] -= 1
 
-    async def _read_batch(self, server: ServerInfo, batch: list[_Item]) -> None:
+    async def _read_batch(self, server: ServerInfo, batch: list[_Item], hedge: bool = False) -> None:
         transport = self._transport_for(server)
+        timer = None
+        if self._hedging is not None and not hedge:
+            latency, budget = self._hedging
+            budget.issued()
+            p95 = latency.p95(server.address)
+            if p95 is not None:
+                timer = asyncio.get_running_loop().call_later(p95, self._hedge, server, batch)
+        t0 = time.perf_counter()
+        self.reads_in_flight += 1
         try:
             errors = await transport.read(server, [it.spec for it in batch], self._out)
         except Exception as exc:  # a bug must fail the restore, not leave it waiting for ever
             log.exception("restore: %s transport failed on %s", transport.name, server.address)
             self._fail(Internal(f"{transport.name} transport failed on {server.address}: {exc!r}"))
             return
-        failed = [e for e in errors if e is not None]
+        finally:
+            self.reads_in_flight -= 1
+            if timer is not None:
+                timer.cancel()
+        if self._hedging is not None:
+            self._hedging[0].observe(server.address, time.perf_counter() - t0)
+        failed = [e for it, e in zip(batch, errors) if e is not None and not isinstance(e, Aborted) and not it.done]
         if failed:
             log.warning("restore: %d of %d chunks from %s failed (%s); trying other replicas",
                         len(failed), len(batch), server.address, failed[0].message)
         for it, err in zip(batch, errors):
-            self._pending -= 1
+            it.reading -= 1
             self._load[server.address] -= it.read_length
-            if err is not None:
+            if it.done:
+                continue  # the other reader of a hedged chunk delivered it
+            if err is None:
+                it.done = True
+                self._left -= 1
+                self.stats.bytes += it.read_length
+                self.stats.chunks += 1
+                self.stats.per_server[server.address] += it.read_length
+                if hedge:
+                    self.stats.hedges_won += 1
+                    self._hedging[1].won += 1
+                self._remaining.subtract(it.layers)
+                self._advance()
+                continue
+            if not isinstance(err, Aborted):  # Aborted: its bytes lost a race, the server is fine
                 it.tried.add(server.address)
+            if it.reading == 0:  # no other read of it is still coming
                 self.stats.retries += 1
                 self._enqueue(it)
-                continue
-            self.stats.bytes += it.read_length
-            self.stats.chunks += 1
-            self.stats.per_server[server.address] += it.read_length
-            self._remaining.subtract(it.layers)
-            self._advance()
-        if self._pending == 0 and self._error is None and self._ready_upto == len(self.layers):
+        if self._left == 0 and self._error is None and self._ready_upto == len(self.layers):
             self._finish()
+
+    def _hedge(self, server: ServerInfo, batch: list[_Item]) -> None:
+        """`batch` has been out on `server` for longer than its p95: ask other replicas."""
+        if self._error is not None or self._done.is_set():
+            return
+        by_server: dict[str, tuple[ServerInfo, list[_Item]]] = {}
+        for it in batch:
+            if it.done or it.reading > 1 or it.spec.fence is None:
+                continue
+            others = [s for s in it.replicas if s.address != server.address and s.address not in it.tried]
+            if others:
+                other = min(others, key=lambda s: (self._load[s.address], it.replicas.index(s)))
+                by_server.setdefault(other.address, (other, []))[1].append(it)
+        # what still waits in the slow server's queue goes to other replicas instead
+        queue, kept = self._queues[server.address], collections.deque()
+        while queue:
+            it = queue.popleft()
+            if any(s.address != server.address and s.address not in it.tried for s in it.replicas):
+                self._load[server.address] -= it.read_length
+                self._enqueue(it, avoid=server.address)
+            else:
+                kept.append(it)
+        queue.extend(kept)
+        for other, items in by_server.values():
+            if not self._hedging[1].take():
+                return
+            for it in items:
+                it.reading += 1
+                self._load[other.address] += it.read_length
+            self.stats.hedges += len(items)
+            self._hedging[1].hedged_chunks += len(items)
+            self._spawn(self._read_batch(other, items, hedge=True))
 
     def _advance(self) -> None:
         while self._ready_upto < len(self.layers) and self._remaining[self.layers[self._ready_upto]] <= 0:
@@ -173,6 +251,8 @@ class Restore:
             self._ready_upto += 1
 
     def _finish(self) -> None:
+        if self._done.is_set():  # e.g. the late loser of a hedge
+            return
         self.stats.seconds = time.perf_counter() - self._started
         self._done.set()
 

@@ -35,9 +35,10 @@ from typing import Protocol
 
 from kvfs import wire
 from kvfs.buffers import address_of, memmove
-from kvfs.errors import DataLoss, KvfsError, Unavailable, from_code
+from kvfs.errors import Aborted, DataLoss, KvfsError, Unavailable, from_code
 
 from .chunks import ChunkClient
+from .hedge import Fence
 from .pool import arena_of, current_arena
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,29 @@ class ReadSpec:
     length: int
     chunk_length: int
     pieces: list[tuple[int, int, int]]  # (offset within the range, offset in the destination, length)
+    # set when another reader may race this one for the range (a hedged read): only
+    # the reader that claims it writes into the destination; a fenced range is never
+    # read by a server straight into the destination, since that write can't be fenced
+    fence: Fence | None = None
+
+    def claim(self, reader: object) -> bool:
+        return self.fence is None or self.fence.claim(reader)
+
+    def release(self, reader: object) -> None:
+        if self.fence is not None:
+            self.fence.release(reader)
+
+
+def superseded(spec: ReadSpec, address: str) -> Aborted:
+    return Aborted(f"chunk {spec.chunk_id.hex()[:16]} from {address} arrived after a hedged duplicate; dropped")
 
 
 class Transport(Protocol):
     name: str
 
     async def read(self, server: ServerInfo, specs: list[ReadSpec], out: memoryview) -> list[KvfsError | None]:
-        """Reads every spec into `out`; one error (or None) per spec."""
+        """Reads every spec into `out`; one error (or None) per spec. A fenced spec
+        whose fence another reader holds comes back Aborted, its bytes dropped."""
 
     async def close(self) -> None: ...
 
@@ -100,12 +117,15 @@ class GrpcTransport:
         except KvfsError as err:
             return [err] * len(specs)
         errors: list[KvfsError | None] = []
+        reader = object()
         for spec, res in zip(specs, results):
             if res.code:
                 errors.append(from_code(res.code, res.message))
             elif len(res.data) != spec.length:
                 errors.append(DataLoss(f"{server.address} returned {len(res.data)} bytes for a "
                                        f"{spec.length}-byte range"))
+            elif not spec.claim(reader):
+                errors.append(superseded(spec, server.address))
             else:
                 data = memoryview(res.data)
                 for src, dst, n in spec.pieces:
@@ -226,7 +246,7 @@ class _Connection:
         zero_copy = False
         if region >= 0:
             found = self.arena and arena_of(address_of(out), len(out))
-            zero_copy = bool(found) and found[0] is self.arena
+            zero_copy = bool(found) and found[0] is self.arena and not any(s.fence for s in specs)
             offset = region * SHM_REGION
             for s in specs:
                 if zero_copy:  # the server reads straight into the destination
@@ -316,6 +336,7 @@ class _Connection:
     def _place(self, p: _Pending, results: list[wire.RangeResult]) -> list:
         errors: list[KvfsError | None] = []
         staged = p.region * SHM_REGION
+        reader = p  # what claims fenced ranges for this request
         for spec, res in zip(p.specs, results):
             at = staged
             staged += -(-spec.length // 4096) * 4096
@@ -327,9 +348,12 @@ class _Connection:
                 raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) misses the range "
                                      f"[{spec.offset}, {end})")
             if p.region < 0:
-                errors.append(self._receive(spec, res, p.out))
+                errors.append(self._receive(spec, res, p.out, reader))
             else:  # the server verified the bytes (wire.py); staged ones are copied out
                 self.shm_ranges[p.zero_copy] += 1
+                if not p.zero_copy and not spec.claim(reader):
+                    errors.append(superseded(spec, self.address))
+                    continue
                 if not p.zero_copy:
                     out_address = address_of(p.out)
                     for src, dst, n in spec.pieces:
@@ -337,9 +361,12 @@ class _Connection:
                 errors.append(None)
         return errors
 
-    def _receive(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview) -> KvfsError | None:
+    def _receive(self, spec: ReadSpec, res: wire.RangeResult, out: memoryview, reader) -> KvfsError | None:
         # one recvmsg_into per range, scattering straight into the destination's
         # pieces (plus scratch for the widening): no copies and few syscalls
+        if not spec.claim(reader):  # a hedged duplicate owns the range: keep the stream in step, drop the bytes
+            self._discard(res.data_len)
+            return superseded(spec, self.address)
         scratch = memoryview(self.scratch)
         head = spec.offset - res.data_start
         tail = res.data_start + res.data_len - spec.offset - spec.length
@@ -352,8 +379,16 @@ class _Connection:
             verifier.feed(view)
         if not verifier.finish():
             log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
+            spec.release(reader)
             return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")
         return None
+
+    def _discard(self, n: int) -> None:
+        view = memoryview(self.scratch)
+        while n:
+            step = min(n, len(view))
+            _recv_exact(self.sock, view[:step])
+            n -= step
 
 
 class TcpTransport:

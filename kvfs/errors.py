@@ -58,6 +58,12 @@ class DeadlineExceeded(KvfsError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Aborted(KvfsError):
+    """A read lost the race to a hedged duplicate; its bytes were dropped."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class Internal(KvfsError):
     code = grpc.StatusCode.INTERNAL
 
@@ -74,6 +80,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvfsError]] = {
         ResourceExhausted,
         Unavailable,
         DeadlineExceeded,
+        Aborted,
         Internal,
     )
 }

@@ -17,6 +17,18 @@ def wait_until(condition, timeout: float = 10, what: str = "condition", interval
         time.sleep(interval)
 
 
+async def until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
+    """wait_until for async tests: polls without blocking the event loop."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+    return value
+
+
 def layer_major(layout, block_payloads: list[bytes], tokens: int | None = None) -> bytearray:
     """Lays block payloads out `[layer][tokens][kv_dim]`, as restores deliver them."""
     tokens = tokens or len(block_payloads) * layout.block_tokens
