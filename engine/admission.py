@@ -7,6 +7,7 @@ through it offline). The engine tells the controller what it observes:
   - every finished write-back (bytes, seconds)       -> write bandwidth
   - restore bytes issued and completed               -> bytes queued ahead
   - every prefill (context before, tokens, seconds)  -> prefill cost model
+  - per-chunkserver read latency (the SDK's ServerLatency, which hedged reads use)
 
 and asks `decide()` for each request with a cached prefix. Restoring k blocks
 costs (bytes queued ahead + k blocks) / read bandwidth, and overlaps the
@@ -88,6 +89,7 @@ class Decision:
     est_recompute_all: float
     read_gbps: float
     queued_bytes: int
+    slowest_p95_s: float = 0.0  # the slowest chunkserver's measured batch-read p95 (what hedges wait for)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class AdmissionController:
     margin: float = 0.1  # restore less than all only if that is expected to be this much faster
     decisions: collections.Counter = field(default_factory=collections.Counter)
     on_idle: object = None  # called when the read queue empties (write-backs wait for that)
+    server_latency: object = None  # per-chunkserver read latency (kvfs.client.hedge.ServerLatency)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -160,7 +163,12 @@ class AdmissionController:
         kind = "recompute" if k == 0 else "restore" if k == matched_blocks else "partial"
         self.decisions[kind] += 1
         return Decision(self.policy, kind, k, matched_blocks, ttft(k), restore_all, recompute_all,
-                        self.read_bandwidth.value / 1e9, self.queued_bytes)
+                        self.read_bandwidth.value / 1e9, self.queued_bytes, self.slowest_p95())
+
+    def slowest_p95(self) -> float:
+        if self.server_latency is None:
+            return 0.0
+        return max((v["p95_s"] or 0.0 for v in self.server_latency.snapshot().values()), default=0.0)
 
 
 

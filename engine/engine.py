@@ -51,6 +51,8 @@ class Timings:
     recomputed_after_failed_restore: bool = False
     decision: Decision | None = None  # the admission controller's, when the engine has one
     write_back_dropped: bool = False  # the write-back queue was full (admission only)
+    hedges: int = 0  # restore chunk reads also sent to another replica (the server was slow)
+    hedges_won: int = 0
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Engine:
         self.admission = admission
         self.writebacks: WriteBackQueue | None = None
         if admission is not None:
+            if admission.server_latency is None:
+                admission.server_latency = self.client.latency
             idle = asyncio.Event()
             admission.on_idle = idle.set
             self.writebacks = WriteBackQueue(lambda: admission.queued_bytes > 0, idle)
@@ -149,6 +153,7 @@ class Engine:
             if restore is not None:
                 stats = await restore.wait()
                 timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
+                timings.hedges, timings.hedges_won = stats.hedges, stats.hedges_won
                 timings.tokens_matched = blocks * self.layout.block_tokens
                 if self.admission is not None:
                     self.admission.restore_finished(stats.bytes, stats.seconds, blocks * self.layout.payload_bytes)

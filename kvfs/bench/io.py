@@ -6,9 +6,14 @@ MLA prefix, and measures for each transport (grpc, tcp, shm):
   restore   - lookup + read of the whole prefix into one buffer (GB/s);
   per block - single-block restores from `concurrency` workers (p50, p99 latency
               and the GB/s they add up to);
+  write     - the prefix written once through the cluster (allocate, replicas
+              to chunkservers, commit), GB/s of payload and of disk bytes;
 beside baselines measured in the same run:
   raw       - the chunkservers' own io_uring reader, in this process, over the
               same slot files (O_DIRECT when cold, page cache when warm);
+  raw write - the same disk bytes written to files beside the slot files, the
+              way chunkservers write (O_DIRECT when cold, buffered when warm,
+              then fdatasync), one writer thread per chunkserver;
   socket    - a plain loopback TCP copy into a reused buffer;
   redis     - GET of the same blocks from a local redis-server (when one is on
               the PATH and the `redis` package is installed), same concurrency.
@@ -82,6 +87,33 @@ async def raw_disk(files: list[pathlib.Path], direct: bool, depth: int = 32) -> 
         for fd in fds:
             os.close(fd)
         reader.close()
+
+
+def raw_write(folder: pathlib.Path, total: int, writers: int, direct: bool) -> float:
+    """GB/s of `total` bytes written by `writers` threads, each to its own file, then fdatasync."""
+    folder.mkdir(parents=True, exist_ok=True)
+    share = -(-total // writers // CHUNK) * CHUNK
+
+    def write(i):
+        buf = aligned_bytearray(CHUNK)
+        buf[:] = os.urandom(CHUNK)
+        fd = os.open(folder / f"raw-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
+        try:
+            for _ in range(share // CHUNK):
+                os.write(fd, buf)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rate = share * writers / (time.perf_counter() - t0) / 1e9
+    shutil.rmtree(folder)
+    return rate
 
 
 def socket_copy(total: int, piece: int = CHUNK) -> float:
@@ -235,13 +267,22 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
             cluster.start()
             try:
                 async with Client(cluster.meta_address) as client:
-                    await client.write(NS, prompt, payload, layout, "chat")
+                    t0 = time.perf_counter()
+                    written = await client.write(NS, prompt, payload, layout, "chat")
+                    write_s = time.perf_counter() - t0
+                if written.bytes_written != len(payload):
+                    raise RuntimeError(f"wrote {written.bytes_written} of {len(payload)} bytes")
+                raw_w = raw_write(root / cache / "raw-write", len(payload) * 2, chunkservers, cache == "cold")
                 files = sorted((root / cache).glob("cs-*/slots/*/*.slots"))
                 if cache == "cold":
                     drop_cache(files)
                 raw = await raw_disk(files, direct=cache == "cold")
-                entry = {"raw_gbps": raw, "transports": []}
-                log(f"{cache}: raw io_uring over the slot files {raw:.2f} GB/s")
+                entry = {"raw_gbps": raw, "transports": [], "write_gbps": len(payload) / write_s / 1e9,
+                         "write_disk_gbps": 2 * len(payload) / write_s / 1e9, "raw_write_gbps": raw_w}
+                entry["write_over_raw"] = entry["write_disk_gbps"] / raw_w
+                log(f"{cache}: write {entry['write_gbps']:.2f} GB/s of payload ({entry['write_disk_gbps']:.2f} GB/s "
+                    f"to disks, 2 replicas) vs raw write {raw_w:.2f} GB/s; raw io_uring read over the slot files "
+                    f"{raw:.2f} GB/s")
                 for t in transports:
                     res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
                                                concurrency, files if cache == "cold" else None)

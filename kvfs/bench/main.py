@@ -42,6 +42,13 @@ def _io(args) -> int:
                           f"{r['over_socket']:.2f}", f"{r['over_redis']:.2f}" if "over_redis" in r else "-",
                           f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}")
     console.print(table)
+    writes = Table(title="the prefix written once through the cluster (2 replicas)")
+    for col in ("cache", "write GB/s (payload)", "to disks GB/s", "raw disk write GB/s", "/ raw write"):
+        writes.add_column(col, justify="right")
+    for cache, e in report["modes"].items():
+        writes.add_row(cache, f"{e['write_gbps']:.2f}", f"{e['write_disk_gbps']:.2f}", f"{e['raw_write_gbps']:.2f}",
+                       f"{e['write_over_raw']:.2f}")
+    console.print(writes)
     base = f"baselines: socket {report['socket_gbps']:.2f} GB/s"
     base += "".join(f", raw disk {c} {e['raw_gbps']:.2f} GB/s" for c, e in report["modes"].items())
     if report["redis"]:
@@ -107,31 +114,44 @@ def _restore(args) -> int:
 
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
-    from .restore import make_workload, prompts_for, run_policy, warm_up
+    from .restore import make_workload, prompt_maker, run_policy, warm_up
 
     cfg = ModelConfig.preset(args.preset)
     policies = args.policy.split(",")
     workload = make_workload(args.prompt_tokens, args.hit_ratio, args.requests, args.seed)
     hits = sum(r.hit for r in workload)
-    console.print(f"kvfs-bench restore: {len(workload)} requests ({hits} hits), lengths {args.prompt_tokens}, "
-                  f"concurrency {args.concurrency}, the {args.preset} model, policies {', '.join(policies)}")
+    amount = (f"{len(workload)} requests ({hits} hits)" if args.duration is None else
+              f"{args.duration:g} s per policy cycling {len(workload)} requests ({hits} hits)")
+    console.print(f"kvfs-bench restore: {amount}, lengths {args.prompt_tokens}, concurrency {args.concurrency}, "
+                  f"the {args.preset} model, policies {', '.join(policies)}")
     ns = Namespace("bench", f"restore-{args.preset}-{args.seed}")
     results = []
     with _cluster(args) as meta, Progress(console=console, transient=True) as progress:
         task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
-        asyncio.run(warm_up(meta, cfg, workload, prompts_for(cfg, workload, args.seed, 0), ns,
+        asyncio.run(warm_up(meta, cfg, workload, prompt_maker(cfg, workload, args.seed, 0), ns,
                             lambda: progress.advance(task)))
         for i, policy in enumerate(policies, start=1):
-            task = progress.add_task(f"policy {policy}", total=len(workload))
+            task = progress.add_task(f"policy {policy}", total=len(workload) if args.duration is None else None)
             results.append(asyncio.run(run_policy(meta, cfg, policy, workload,
-                                                  prompts_for(cfg, workload, args.seed, i), args.concurrency,
-                                                  ns, lambda t=task: progress.advance(t))))
+                                                  prompt_maker(cfg, workload, args.seed, i), args.concurrency,
+                                                  ns, args.duration, lambda t=task: progress.advance(t))))
     console.print(_policy_table(results))
-    _write_json(args.json, {"bench": "restore", **_host(), "config": {
-        "preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
-        "requests": args.requests, "concurrency": args.concurrency, "policies": policies, "seed": args.seed,
-        "hits": hits}, "results": results})
+    config = {"preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
+              "requests": args.requests, "duration": args.duration, "concurrency": args.concurrency,
+              "policies": policies, "seed": args.seed, "hits": hits, "chunkservers": args.chunkservers,
+              "meta": args.meta}
+    _write_json(args.json, {"bench": "restore", **_host(), "config": config, "results": results})
+    _plot(args.plot, results, f"kvfs-bench restore: {args.prompt_tokens} tokens, hit ratio {args.hit_ratio}, "
+                              f"concurrency {args.concurrency}, {args.preset} model")
     return 0
+
+
+def _plot(path: str | None, results: list[dict], title: str) -> None:
+    if path:
+        from .plot import ttft_cdfs
+
+        ttft_cdfs(results, path, title)
+        console.print(f"wrote {path}")
 
 
 @contextlib.contextmanager
@@ -154,7 +174,7 @@ def _cluster(args):
 def _policy_table(results: list[dict]) -> Table:
     table = Table(title="time to first token per policy (seconds)")
     columns = ["policy", "hit p50", "hit p99", "miss p50", "miss p99", "all mean", "all p99", "restore GB/s",
-               "write-back GB/s", "dropped", "restore/partial/recompute"]
+               "write-back GB/s", "dropped", "restore/partial/recompute", "hedges (won)"]
     if "token_hit_ratio" in results[0]:
         columns.append("token hit ratio")
     for col in columns:
@@ -164,7 +184,8 @@ def _policy_table(results: list[dict]) -> Table:
         row = [r["policy"], f"{h.get('p50', 0):.3f}", f"{h.get('p99', 0):.3f}", f"{m.get('p50', 0):.3f}",
                f"{m.get('p99', 0):.3f}", f"{a['mean']:.3f}", f"{a['p99']:.3f}", f"{r['restore_gbps']:.2f}",
                f"{r['write_back_gbps']:.3f}", str(r["write_backs_dropped"]),
-               f"{d.get('restore', 0)}/{d.get('partial', 0)}/{d.get('recompute', 0)}"]
+               f"{d.get('restore', 0)}/{d.get('partial', 0)}/{d.get('recompute', 0)}",
+               f"{r['hedges']} ({r['hedges_won']})"]
         if "token_hit_ratio" in r:
             row.append(f"{r['token_hit_ratio']:.1%}")
         table.add_row(*row)
@@ -196,6 +217,8 @@ def _trace(args) -> int:
     _write_json(args.json, {"bench": "trace", **_host(), "config": {
         "path": args.path, "limit": args.limit, "requests": len(trace), "speed": args.speed,
         "concurrency": args.concurrency, "preset": args.preset, "policies": policies}, "results": results})
+    _plot(args.plot, results, f"kvfs-bench trace: {len(trace)} requests of {args.path}, time / {args.speed}, "
+                              f"concurrency {args.concurrency}, {args.preset} model")
     return 0
 
 
@@ -239,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--prompt-tokens", default="8192",
                          help="a length, a list (cycled), or lognormal:median=N,sigma=S")
     restore.add_argument("--hit-ratio", type=float, default=0.5)
-    restore.add_argument("--requests", type=int, default=32)
+    restore.add_argument("--requests", type=int, default=32,
+                         help="requests per policy; with --duration, distinct requests cycled")
+    restore.add_argument("--duration", type=float, help="seconds of load per policy (default: --requests once)")
     restore.add_argument("--concurrency", type=int, default=8)
     restore.add_argument("--policy", default="adaptive,always-restore,always-recompute")
     restore.add_argument("--seed", type=int, default=0)
@@ -256,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--chunkservers", type=int, default=3)
     for p in (io, prefix, ttft, restore, trace):
         p.add_argument("--json", help="write the report here")
+    for p in (restore, trace):
+        p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace}[args.cmd](args)
 

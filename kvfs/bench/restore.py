@@ -10,6 +10,7 @@ policy runs the same requests in the same order on the same cluster.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import statistics
@@ -45,12 +46,19 @@ def make_workload(lengths: str, hit_ratio: float, requests: int, seed: int) -> l
     return [Request(n, rng.random() < hit_ratio) for n in parse_lengths(lengths, rng, requests)]
 
 
-def prompts_for(cfg: ModelConfig, workload: list[Request], seed: int, run: int) -> list[list[int]]:
-    """Hits get the same tokens in every run (their prefixes were written beforehand);
-    misses get tokens of their own per run, so one policy's write-backs never turn
-    another policy's misses into hits."""
-    shared, own = random.Random(seed), random.Random(f"{seed}-{run}")
-    return [[(shared if r.hit else own).randrange(cfg.vocab_size) for _ in range(r.length)] for r in workload]
+def prompt_maker(cfg: ModelConfig, workload: list[Request], seed: int, run: int):
+    """`prompt(i)`: the tokens of request i (the workload cycles past its end).
+
+    A hit's tokens are the same in every run and cycle (its prefix was written
+    beforehand); a miss gets tokens of its own per run and per cycle, so neither
+    another policy's write-backs nor its own earlier pass turn it into a hit."""
+
+    def prompt(i: int) -> list[int]:
+        r = workload[i % len(workload)]
+        rng = random.Random(f"{seed}-hit-{i % len(workload)}" if r.hit else f"{seed}-{run}-miss-{i}")
+        return [rng.randrange(cfg.vocab_size) for _ in range(r.length)]
+
+    return prompt
 
 
 def percentiles(values: list[float]) -> dict:
@@ -65,14 +73,14 @@ def percentiles(values: list[float]) -> dict:
             "p999": q(0.999)}
 
 
-async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompts: list[list[int]],
-                  namespace: Namespace, progress=None) -> None:
+async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompt, namespace: Namespace,
+                  progress=None) -> None:
     """Computes and writes back every hit's prompt, so the hits hit."""
     async with Client(meta) as client:
         engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0))
-        for req, tokens in zip(workload, prompts):
+        for i, req in enumerate(workload):
             if req.hit:
-                result = await engine.agenerate(tokens, 1)
+                result = await engine.agenerate(prompt(i), 1)
                 if result.write_back is not None:
                     await result.write_back
             if progress:
@@ -80,25 +88,26 @@ async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompts:
         engine.close()
 
 
-async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
-                 requests: list[tuple[float, list[int], bool | None]], concurrency: int, speed: float = 1.0,
-                 progress=None) -> dict:
+async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace, requests, concurrency: int,
+                 speed: float = 1.0, duration: float | None = None, progress=None) -> dict:
     """Serves (arrival seconds, tokens, hit) requests through one engine under `policy`,
-    at most `concurrency` at a time, arrivals divided by `speed`. `hit` None means
-    "counted a hit when kvfs held a prefix of it"."""
+    at most `concurrency` at a time, arrivals divided by `speed`, none started after
+    `duration` seconds. `hit` None means "counted a hit when kvfs held a prefix of it"."""
     admission = AdmissionController(policy=policy)
     async with Client(meta) as client:
         engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission)
         slots = asyncio.Semaphore(concurrency)
         ttft = {"hit": [], "miss": []}
-        totals = {"prompt_tokens": 0, "cached_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0}
-        write_backs = []
+        totals = {"prompt_tokens": 0, "cached_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0,
+                  "hedges": 0, "hedges_won": 0}
+        write_backs, running = [], []
         t0 = time.perf_counter()
 
-        async def serve(arrival, tokens, hit):
-            await asyncio.sleep(max(0.0, arrival / speed - (time.perf_counter() - t0)))
-            async with slots:
+        async def serve(tokens, hit):
+            try:
                 result = await engine.agenerate(tokens, 1)
+            finally:
+                slots.release()
             t = result.timings
             ttft["hit" if (t.tokens_cached if hit is None else hit) else "miss"].append(t.ttft)
             totals["prompt_tokens"] += len(tokens)
@@ -106,12 +115,25 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
             totals["restored"] += t.bytes_restored
             totals["restore_s"] += t.restore
             totals["dropped"] += t.write_back_dropped
+            totals["hedges"] += t.hedges
+            totals["hedges_won"] += t.hedges_won
             if result.write_back is not None:
                 write_backs.append((result.write_back, t))
             if progress:
                 progress()
 
-        await asyncio.gather(*(serve(*r) for r in requests))
+        # requests start in order: one waits for its arrival, then for a free slot
+        for arrival, tokens, hit in requests:
+            delay = arrival / speed - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await slots.acquire()
+            if duration is not None and time.perf_counter() - t0 > duration:
+                slots.release()
+                break
+            running.append(asyncio.get_running_loop().create_task(serve(tokens, hit)))
+        served_s = time.perf_counter() - t0
+        await asyncio.gather(*running)
         await engine.writebacks.drain()
         written = 0
         for fut, t in write_backs:
@@ -121,26 +143,38 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
         engine.close()
     return {
         "policy": policy,
+        "requests": len(running),
         "ttft_hit": percentiles(ttft["hit"]),
         "ttft_miss": percentiles(ttft["miss"]),
         "ttft_all": percentiles(ttft["hit"] + ttft["miss"]),
+        "ttft_samples": {k: sorted(v) for k, v in ttft.items()},
         "token_hit_ratio": totals["cached_tokens"] / max(1, totals["prompt_tokens"]),
         "restore_gbps": totals["restored"] / totals["restore_s"] / 1e9 if totals["restore_s"] else 0.0,
         "bytes_restored": totals["restored"],
         "bytes_written": written,
         "write_back_gbps": written / wall / 1e9,
         "write_backs_dropped": totals["dropped"],
+        "write_backs_deferred": engine.writebacks.deferred,
         "decisions": dict(admission.decisions),
-        "hedges": 0,  # hedged reads are not implemented yet
+        "hedges": totals["hedges"],
+        "hedges_won": totals["hedges_won"],
+        "server_p95_ms": {a: (v["p95_s"] or 0.0) * 1e3 for a, v in client.latency.snapshot().items()},
+        "load_s": served_s,
         "wall_s": wall,
     }
 
 
-async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Request], prompts: list[list[int]],
-                     concurrency: int, namespace: Namespace, progress=None) -> dict:
-    """The whole workload at once, in order, `concurrency` requests in service."""
-    result = await _serve(meta, cfg, policy, namespace, [(0.0, t, r.hit) for r, t in zip(workload, prompts)],
-                          concurrency, progress=progress)
+async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Request], prompt,
+                     concurrency: int, namespace: Namespace, duration: float | None = None, progress=None) -> dict:
+    """Closed loop: `concurrency` requests in service, the workload in order (cycled
+    until `duration` seconds when given); `prompt(i)` is request i's tokens."""
+    if duration is None:
+        order = range(len(workload))
+    else:
+        order = itertools.count()
+    requests = ((0.0, prompt(i), workload[i % len(workload)].hit) for i in order)
+    result = await _serve(meta, cfg, policy, namespace, requests, concurrency, duration=duration,
+                          progress=progress)
     del result["token_hit_ratio"]  # the workload sets it
     return result
 
@@ -174,4 +208,4 @@ async def replay(meta: str, cfg: ModelConfig, policy: str, trace, speed: float, 
                  namespace: Namespace, progress=None) -> dict:
     """Replays arrivals (compressed by `speed`) with at most `concurrency` requests in service."""
     return await _serve(meta, cfg, policy, namespace, [(arrival, tokens, None) for arrival, tokens, _ in trace],
-                        concurrency, speed, progress)
+                        concurrency, speed, progress=progress)

@@ -22,14 +22,16 @@ def test_io_bench_report_shape(tmp_path):
     assert results["blocks"] == 16 and results["socket_gbps"] > 0
     assert set(results["modes"]) == {"warm", "cold"}
     for entry in results["modes"].values():
-        assert entry["raw_gbps"] > 0
+        assert entry["raw_gbps"] > 0 and entry["raw_write_gbps"] > 0
+        assert abs(entry["write_disk_gbps"] - 2 * entry["write_gbps"]) < 1e-9
+        assert abs(entry["write_over_raw"] - entry["write_disk_gbps"] / entry["raw_write_gbps"]) < 1e-9
         assert [t["transport"] for t in entry["transports"]] == ["grpc", "tcp", "shm"]
         for t in entry["transports"]:
             assert len(t["restore_gbps"]) == 1 and t["block_p99_ms"] >= t["block_p50_ms"] > 0
             assert abs(t["over_raw"] - t["restore_gbps_median"] / entry["raw_gbps"]) < 1e-9
             assert abs(t["over_socket"] - t["restore_gbps_median"] / results["socket_gbps"]) < 1e-9
             assert ("over_redis" in t) == (results["redis"] is not None)
-    assert "/ raw disk" in stdout
+    assert "/ raw disk" in stdout and "/ raw write" in stdout
 
 
 def test_prefix_bench_report_shape(tmp_path):
@@ -53,19 +55,38 @@ def test_ttft_bench_report_shape(tmp_path):
 
 
 def test_restore_bench_report_shape_and_counts(tmp_path):
+    plot = tmp_path / "cdf.png"
     report, stdout = run(["restore", "--preset", "tiny", "--prompt-tokens", "130,260", "--requests", "8",
-                          "--concurrency", "3", "--hit-ratio", "0.5", "--chunkservers", "2"], tmp_path)
+                          "--concurrency", "3", "--hit-ratio", "0.5", "--chunkservers", "2", "--plot", str(plot)],
+                         tmp_path)
     config, results = report["config"], report["results"]
     assert [r["policy"] for r in results] == ["adaptive", "always-restore", "always-recompute"]
     for r in results:
-        assert r["ttft_hit"]["count"] == config["hits"]
-        assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == config["requests"] == 8
+        assert r["ttft_hit"]["count"] == config["hits"] == len(r["ttft_samples"]["hit"])
+        assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == config["requests"] == r["requests"] == 8
         assert sum(r["decisions"].values()) == config["hits"]  # every hit was decided, no miss was
         assert r["ttft_all"]["p99"] >= r["ttft_all"]["p50"] > 0
+        assert r["ttft_all"]["p50"] in r["ttft_samples"]["hit"] + r["ttft_samples"]["miss"]
+        assert 0 <= r["hedges_won"] <= r["hedges"]
+        assert len(r["server_p95_ms"]) <= 2  # measured per chunkserver
     assert results[2]["decisions"] == {"recompute": config["hits"]} and results[2]["bytes_restored"] == 0
     if config["hits"]:
         assert results[1]["decisions"] == {"restore": config["hits"]} and results[1]["bytes_restored"] > 0
     assert "time to first token per policy" in stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_restore_bench_runs_for_a_duration(tmp_path):
+    report, _ = run(["restore", "--preset", "tiny", "--prompt-tokens", "130", "--requests", "3", "--duration", "2",
+                     "--concurrency", "2", "--hit-ratio", "0.7", "--policy", "adaptive", "--chunkservers", "2"],
+                    tmp_path)
+    (r,) = report["results"]
+    assert report["config"]["duration"] == 2
+    assert r["requests"] > 3  # the three distinct requests were cycled
+    assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == r["requests"]
+    assert r["load_s"] <= r["wall_s"]
+    # a hit repeats its cached prompt; a miss gets fresh tokens every time round
+    assert sum(r["decisions"].values()) == r["ttft_hit"]["count"]
 
 
 def test_trace_bench_replays_a_mooncake_format_trace(tmp_path):

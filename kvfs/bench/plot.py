@@ -1,0 +1,29 @@
+"""`--plot PATH.png`: time-to-first-token CDFs per policy (all requests, hits, misses)."""
+
+from __future__ import annotations
+
+
+def ttft_cdfs(results: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    for ax, kind in zip(axes, ("all", "hit", "miss")):
+        for r in results:
+            samples = r["ttft_samples"]
+            xs = sorted(samples["hit"] + samples["miss"]) if kind == "all" else samples[kind]
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                        label=f"{r['policy']} (p99 {xs[min(len(xs) - 1, int(0.99 * len(xs)))]:.2f} s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (s)")
+        ax.set_title({"all": "all requests", "hit": "cached prefix", "miss": "no cached prefix"}[kind])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_ylabel("fraction of requests")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
