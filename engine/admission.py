@@ -8,6 +8,7 @@ through it offline). The engine tells the controller what it observes:
   - restore bytes issued and completed               -> bytes queued ahead
   - every prefill (context before, tokens, seconds)  -> prefill cost model
   - per-chunkserver read latency (the SDK's ServerLatency, which hedged reads use)
+  - prefills admitted and not yet finished          -> compute queued ahead
 
 and asks `decide()` for each request with a cached prefix. Restoring k blocks
 costs (bytes queued ahead + k blocks) / read bandwidth, and overlaps the
@@ -104,6 +105,8 @@ class AdmissionController:
     decisions: collections.Counter = field(default_factory=collections.Counter)
     on_idle: object = None  # called when the read queue empties (write-backs wait for that)
     server_latency: object = None  # per-chunkserver read latency (kvfs.client.hedge.ServerLatency)
+    # prefills admitted and not finished: request -> (its compute queue deadline, predicted seconds)
+    compute_ahead: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -129,19 +132,36 @@ class AdmissionController:
     def prefill_done(self, start: int, end: int, seconds: float) -> None:
         self.prefill.observe(start, end, seconds)
 
+    def compute_started(self, request: object, deadline: float, seconds: float) -> None:
+        self.compute_ahead[request] = (deadline, seconds)
+
+    def compute_finished(self, request: object) -> None:
+        self.compute_ahead.pop(request, None)
+
+    def compute_wait(self, deadline: float) -> float:
+        """Predicted compute the queue runs before a job due at `deadline` (scheduler.py's order)."""
+        return sum(seconds for due, seconds in self.compute_ahead.values() if due <= deadline)
+
     # ---- the decision -----------------------------------------------------------
 
     def restore_seconds(self, nbytes: int) -> float:
         return (self.queued_bytes + nbytes) / self.read_bandwidth.value
 
-    def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int) -> Decision:
-        """Restore how many of the `matched_blocks` leading blocks of a prompt?"""
+    def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int,
+               now: float | None = None) -> Decision:
+        """Restore how many of the `matched_blocks` leading blocks of a prompt?
+
+        With `now` (the request's arrival on the compute queue's clock), the compute
+        already queued ahead of each option counts too: recomputing more means a
+        later deadline, so more of the queue runs first."""
         bt = self.block_tokens
 
         def ttft(k: int) -> float:
             # a request still computes its last token: a full hit prefills from n - 1
             start = min(k * bt, prompt_tokens - 1)
             compute = self.prefill.seconds(start, prompt_tokens)
+            if now is not None:
+                compute += self.compute_wait(now + compute)
             return max(self.restore_seconds(k * bytes_per_block), compute) if k else compute
 
         restore_all, recompute_all = ttft(matched_blocks), ttft(0)

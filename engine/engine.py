@@ -13,7 +13,7 @@ same.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -24,9 +24,10 @@ import torch
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace
 
-from .admission import AdmissionController, Decision, WriteBackQueue
+from .admission import AdmissionController, Decision, PrefillModel, WriteBackQueue
 from .cache import KVCache
 from .config import ModelConfig
+from .scheduler import ComputeQueue
 from .weights import build_model
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class Timings:
     prefill: float = 0.0
     ttft: float = 0.0
     decode: float = 0.0
+    compute: float = 0.0  # of the prefill, the compute itself (no waits for other requests or restores)
     tokens_cached: int = 0  # leading tokens the lookup found in kvfs
     tokens_matched: int = 0  # of those, the ones restored (all, unless admission decided otherwise)
     bytes_restored: int = 0
@@ -68,8 +70,9 @@ class Engine:
 
     `client` is a kvfs.client.Client (use `agenerate` from async code) or a
     SyncClient (then `generate` works from plain code). Requests may run
-    concurrently; model compute runs one request at a time on a worker thread,
-    while restores and write-backs proceed on the event loop.
+    concurrently; their model compute shares one thread, a layer at a time, most
+    urgent first (scheduler.py), while restores and write-backs proceed on the
+    event loop.
     """
 
     def __init__(self, config: ModelConfig, client, namespace: Namespace, *, checkpoint=None, pool=None,
@@ -95,7 +98,9 @@ class Engine:
             idle = asyncio.Event()
             admission.on_idle = idle.set
             self.writebacks = WriteBackQueue(lambda: admission.queued_bytes > 0, idle)
-        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-engine")
+        # what a prefill costs, learned online: the compute queue's priorities and admission's estimates
+        self.prefill_cost = admission.prefill if admission is not None else PrefillModel()
+        self.compute = ComputeQueue()
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
         """Blocking form; needs the engine to have been given a SyncClient."""
@@ -121,7 +126,7 @@ class Engine:
         restore = None
         blocks = match.matched
         if blocks and self.admission is not None:
-            decision = self.admission.decide(blocks, n, self.layout.payload_bytes)
+            decision = self.admission.decide(blocks, n, self.layout.payload_bytes, now=t0)
             timings.decision = decision
             blocks = decision.restore_blocks
         if blocks:
@@ -130,26 +135,13 @@ class Engine:
                 self.admission.restore_issued(blocks * self.layout.payload_bytes)
         # a fully cached prompt still runs its last token, for the logits
         start = min(blocks * self.layout.block_tokens, n - 1)
-        waited = [0.0]
-
-        def before_layer(layer: int) -> None:
-            if restore is not None:
-                w0 = time.perf_counter()
-                asyncio.run_coroutine_threadsafe(restore.layer_ready(layer), loop).result()
-                waited[0] += time.perf_counter() - w0
-
-        def prefill(begin: int, hook) -> torch.Tensor:
-            # in chunks, so attention's memory stays chunk x context, not context^2;
-            # only the first chunk can meet a layer the restore has not delivered
-            logits = None
-            for s in range(begin, n, PREFILL_CHUNK):
-                logits = self.model(torch.tensor(tokens[s : s + PREFILL_CHUNK]), cache, s,
-                                    before_layer=hook if s == begin else None)
-            return logits
-
         p0 = time.perf_counter()
+        if self.admission is not None:
+            predicted = self.prefill_cost.seconds(start, n)
+            request = object()  # this request's entry in the controller's compute backlog
+            self.admission.compute_started(request, t0 + predicted, predicted)
         try:
-            logits = await loop.run_in_executor(self._compute, prefill, start, before_layer)
+            logits, computed, waited = await self._prefill(tokens, cache, start, restore, t0)
             if restore is not None:
                 stats = await restore.wait()
                 timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
@@ -166,19 +158,21 @@ class Engine:
             # a fresh buffer: reads still in flight may land in the old one, which is not reused
             buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
             cache = KVCache(self.cfg, max_tokens, buf)
-            logits = await loop.run_in_executor(self._compute, prefill, 0, None)
+            start = 0
+            logits, computed, waited = await self._prefill(tokens, cache, 0, None, t0)
+        finally:
+            if self.admission is not None:
+                self.admission.compute_finished(request)
         timings.prefill = time.perf_counter() - p0
-        timings.restore_wait = waited[0]
-        if self.admission is not None:  # compute alone: the time spent waiting on restored layers is not prefill
-            begin = 0 if timings.recomputed_after_failed_restore else start
-            self.admission.prefill_done(begin, n, timings.prefill - waited[0])
+        timings.restore_wait = waited
+        timings.compute = computed
+        self.prefill_cost.observe(start, n, computed)  # the compute alone, not the waits
         first_logits = logits[-1].clone()
         out = [int(first_logits.argmax())]
         timings.ttft = time.perf_counter() - t0
         d0 = time.perf_counter()
         for pos in range(n, n + max_new_tokens - 1):
-            step = await loop.run_in_executor(
-                self._compute, lambda p=pos: self.model(torch.tensor(out[-1:]), cache, p))
+            step, _ = await self.compute.run(t0, lambda p=pos: self.model(torch.tensor(out[-1:]), cache, p))
             out.append(int(step[-1].argmax()))
         timings.decode = time.perf_counter() - d0
         task = None
@@ -213,5 +207,27 @@ class Engine:
         finally:
             self.pool.put(buf)
 
+    async def _prefill(self, tokens: list[int], cache: KVCache, begin: int, restore, arrived: float):
+        """Computes tokens[begin:] one layer job at a time on the compute queue; between
+        jobs, waits (on the event loop) for the restore to deliver the next layer.
+        Returns (logits, seconds of compute, seconds waited for restored layers)."""
+        n, computed, waited, logits = len(tokens), 0.0, 0.0, None
+        # in chunks, so attention's memory stays chunk x context, not context^2;
+        # only the first chunk can meet a layer the restore has not delivered
+        for s in range(begin, n, PREFILL_CHUNK):
+            steps = self.model.steps(torch.tensor(tokens[s : s + PREFILL_CHUNK]), cache, s)
+            deadline = arrived + self.prefill_cost.seconds(s, n)
+            while True:
+                (kind, value), seconds = await self.compute.run(deadline, functools.partial(next, steps))
+                computed += seconds
+                if kind == "logits":
+                    logits = value
+                    break
+                if restore is not None and s == begin:
+                    w0 = time.perf_counter()
+                    await restore.layer_ready(value)
+                    waited += time.perf_counter() - w0
+        return logits, computed, waited
+
     def close(self) -> None:
-        self._compute.shutdown(wait=True)
+        self.compute.close()

@@ -166,14 +166,26 @@ class MLAModel(nn.Module):
         form for prefill. `before_layer(l)` is called before layer l reads the
         cache, so a restore can deliver layer l just in time.
         """
+        for kind, value in self.steps(tokens, cache, pos, absorbed=absorbed, last_only=last_only):
+            if kind == "logits":
+                return value
+            if before_layer is not None:
+                before_layer(value)
+        raise AssertionError("steps() ends with the logits")
+
+    @torch.inference_mode()
+    def steps(self, tokens: torch.Tensor, cache: KVCache, pos: int, *, absorbed: bool | None = None,
+              last_only: bool = True):
+        """`forward` one layer at a time: yields ("layer", l) before layer l reads the
+        cache and finally ("logits", tensor), so a scheduler can run each layer as a
+        job of its own and wait for a restored layer between jobs."""
         absorbed = tokens.shape[0] == 1 if absorbed is None else absorbed
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            if before_layer is not None:
-                before_layer(i)
+            yield "layer", i
             x = layer(x, cache.layer(i), pos, absorbed)
         x = self.model.norm(x[-1:] if last_only else x)
-        return self.lm_head(x).float()
+        yield "logits", self.lm_head(x).float()
 
     def set_rope_interleaved(self, interleaved: bool) -> None:
         for layer in self.model.layers:

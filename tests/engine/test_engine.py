@@ -196,7 +196,7 @@ async def test_a_partial_restore_computes_the_rest_exactly(local_cluster, pool):
     from kvfs.engine.admission import AdmissionController, Decision
 
     class RestoreTwo(AdmissionController):
-        def decide(self, matched_blocks, prompt_tokens, bytes_per_block):
+        def decide(self, matched_blocks, prompt_tokens, bytes_per_block, now=None):
             return Decision("test", "partial", 2, matched_blocks, 0.0, 0.0, 0.0, 1.0, 0)
 
     cluster = local_cluster()

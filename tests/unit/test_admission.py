@@ -105,3 +105,16 @@ async def test_write_backs_wait_for_restores_and_are_dropped_past_the_bound():
     assert await first == "a1" and await second == "b1"
     await q.drain()
     assert ran == ["a1", "b1"] and q.queued_bytes == 0
+
+
+def test_compute_queued_ahead_makes_recompute_costlier():
+    c = controller(queued=2 << 30)  # a read queue deep enough that recompute wins on an idle engine
+    idle = c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK, now=100.0)
+    assert idle.kind == "recompute"
+    # prefills due before this request's would-be recompute finishes run first
+    c.compute_started("other", 100.0, 30.0)
+    busy = c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK, now=100.0)
+    assert busy.est_recompute_all == pytest.approx(idle.est_recompute_all + 30.0)
+    assert busy.kind == "restore"
+    c.compute_finished("other")
+    assert c.compute_wait(1e9) == 0
