@@ -21,7 +21,7 @@ from rich.table import Table
 
 
 
-console = Console(width=None if sys.stdout.isatty() else 120)
+console = Console(width=None if sys.stdout.isatty() else 170)
 
 
 def _io(args) -> int:
@@ -192,9 +192,36 @@ def _policy_table(results: list[dict]) -> Table:
     return table
 
 
+def _simulate(args) -> int:
+    from kvfs.metaserver.eviction import POLICIES
+
+    from .simulate import report_rows, simulate_all, unique_blocks
+
+    unique = unique_blocks(args.path, args.limit)
+    capacities = []
+    for c in args.capacity_blocks.split(","):  # blocks, or a share of the trace's unique blocks
+        capacities.append(round(unique * float(c[:-1]) / 100) if c.endswith("%") else int(c))
+    policies = args.policy.split(",") if args.policy != "adaptive" else sorted(POLICIES)
+    console.print(f"kvfs-bench trace --simulate: {args.path}, {unique} unique 512-token blocks, capacities "
+                  f"{capacities} blocks, policies {', '.join(policies)} (no cluster: the eviction policy alone)")
+    summary = simulate_all(args.path, capacities, policies, args.limit)
+    table = Table(title=f"token hit ratio of {summary['requests']} requests through the eviction policy alone")
+    for col in ("policy", "capacity blocks", "of unique", "token hit ratio", "of infinite", "evictions", "refused"):
+        table.add_column(col, justify="right")
+    for row in report_rows(summary):
+        table.add_row(*row)
+    console.print(table)
+    _write_json(args.json, {"bench": "simulate", **_host(), "config": {
+        "path": args.path, "limit": args.limit, "capacity_blocks": capacities, "policies": policies},
+        "results": summary})
+    return 0
+
+
 def _trace(args) -> int:
     from rich.progress import Progress
 
+    if args.simulate:
+        return _simulate(args)
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
     from .restore import load_trace, replay
@@ -276,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this")
     trace.add_argument("--preset", default="tiny")
     trace.add_argument("--concurrency", type=int, default=8)
-    trace.add_argument("--policy", default="adaptive")
+    trace.add_argument("--policy", default="adaptive",
+                       help="admission policies; with --simulate, eviction policies (default: all)")
+    trace.add_argument("--simulate", action="store_true",
+                       help="replay through the eviction policy alone (no cluster, no engine)")
+    trace.add_argument("--capacity-blocks", default="1%,5%,10%",
+                       help="with --simulate: cache sizes in blocks, or in %% of the trace's unique blocks")
     trace.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
     trace.add_argument("--chunkservers", type=int, default=3)
     for p in (io, prefix, ttft, restore, trace):

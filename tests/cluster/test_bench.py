@@ -111,3 +111,18 @@ def test_trace_bench_replays_a_mooncake_format_trace(tmp_path):
     assert adaptive["ttft_hit"]["count"] >= 1 and 0 < adaptive["token_hit_ratio"] <= 1536 / 3500
     assert recompute["bytes_restored"] == 0 and recompute["decisions"].get("recompute", 0) >= 1
     assert "token" in stdout and "ratio" in stdout  # the column header (rich may wrap it)
+
+
+def test_trace_simulate_runs_the_eviction_policies_alone(tmp_path):
+    import pathlib
+
+    trace = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_first500.jsonl"
+    report, stdout = run(["trace", str(trace), "--simulate", "--capacity-blocks", "5%,300"], tmp_path)
+    summary = report["results"]
+    assert report["bench"] == "simulate" and summary["requests"] == 500
+    assert report["config"]["capacity_blocks"] == [round(summary["unique_blocks"] * 0.05), 300]
+    assert {(r["policy"], r["capacity_blocks"]) for r in summary["results"]} == {
+        (p, c) for p in ("lfuda", "lru") for c in report["config"]["capacity_blocks"]}
+    for r in summary["results"]:
+        assert 0 < r["token_hit_ratio"] <= summary["infinite"]["token_hit_ratio"]
+    assert "infinite" in stdout
