@@ -247,7 +247,7 @@ class _Handler(socketserver.BaseRequestHandler):
             elif not self._verified(iov, reply.checksums):
                 # the bytes are in the client's buffer, but it never uses a range that failed
                 _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
-                self.store.count_checksum_error()
+                self.store.count_checksum_error(p.chunk_id, p.rec)
                 log.error("data port: %s; not served", reply.message)
             else:
                 self.store.count_read(length)

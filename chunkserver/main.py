@@ -16,6 +16,7 @@ from kvfs.serving import bound_address, run_server, until_signalled, write_ready
 
 from .dataport import start_data_server
 from .membership import heartbeat_forever
+from .scrub import Scrubber
 from .service import ChunkServicer
 from .store import ChunkStore
 
@@ -43,10 +44,15 @@ async def serve(cfg: ChunkserverConfig) -> None:
     write_ready_file(cfg.ready_file, address)
     beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address))
              if cfg.meta else None)
+    # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
+    scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
+    scrubbing = asyncio.create_task(scrubber.run_forever())
     await until_signalled()
     log.info("chunkserver %s stopping", cfg.id)
     if beats:
         beats.cancel()
+    scrubber.stop()
+    await scrubbing
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
     if data:

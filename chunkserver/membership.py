@@ -1,4 +1,5 @@
-"""Registration with the metaserver, then heartbeats carrying usage."""
+"""Registration with the metaserver, then heartbeats carrying usage and the
+chunks removed as corrupt since the last heartbeat that got through."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kvfs.proto import meta_pb2, meta_pb2_grpc
 from .store import ChunkStore
 
 log = logging.getLogger(__name__)
+
+MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the next beats
 
 
 async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str) -> None:
@@ -29,12 +32,17 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                     interval, registered = reply.heartbeat_interval_s or interval, True
                     log.info("registered with metaserver %s as %s (%s)", cfg.meta, cfg.id, address)
                 stat = store.stat()
+                lost = store.lost_chunks(MAX_LOST_PER_BEAT)
                 reply = await stub.Heartbeat(meta_pb2.HeartbeatRequest(
                     server_id=cfg.id, used_bytes=stat["used_bytes"], allocated_bytes=stat["allocated_bytes"],
-                    chunk_count=stat["chunk_count"], capacity_bytes=stat["capacity_bytes"]), timeout=10)
+                    chunk_count=stat["chunk_count"], capacity_bytes=stat["capacity_bytes"],
+                    lost_chunks=[meta_pb2.LostChunk(chunk_id=c, owner=o) for c, o in lost]), timeout=10)
                 if reply.register_again:
                     registered = False
                     continue
+                if lost:  # kept until now: a heartbeat that failed is sent again with them
+                    await store.forget_lost([c for c, _ in lost])
+                    log.info("reported %d lost chunks to metaserver %s", len(lost), cfg.meta)
                 if failures:
                     log.info("metaserver %s reachable again", cfg.meta)
                 failures = 0

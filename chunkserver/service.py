@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import grpc
 
-from kvfs.errors import InvalidArgument, KvfsError
+from kvfs.errors import DataLoss, InvalidArgument, KvfsError, from_code, from_rpc_error
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
-from kvfs.rpc import abort, handles_errors
+from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
 from .store import ChunkStore, short_id
 
 DEFAULT_PAGE = 1000
 MAX_PAGE = 10000
+COPY_TIMEOUT = 60
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     def __init__(self, store: ChunkStore, data_address: str = ""):
         self.store = store
         self.data_address = data_address
+        self._peers: dict[str, grpc.aio.Channel] = {}  # CopyChunk sources
+
+    async def close(self) -> None:
+        for channel in self._peers.values():
+            await channel.close()
 
     def on_error(self, err: KvfsError) -> None:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -79,6 +85,32 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
             next_start_after=after)
 
     @handles_errors
+    async def CopyChunk(self, request, context):
+        if not request.source or not 0 < request.length <= self.store.cfg.max_chunk_size:
+            raise InvalidArgument(f"CopyChunk needs a source and a length of 1..{self.store.cfg.max_chunk_size}")
+        have = self.store.get(request.chunk_id)
+        if have is not None and have.checksum == request.checksum:
+            return chunk_pb2.CopyChunkReply(created=False, bytes=0)
+        channel = self._peers.get(request.source)
+        if channel is None:
+            channel = self._peers[request.source] = grpc.aio.insecure_channel(request.source, options=CHANNEL_OPTIONS)
+        stub = chunk_pb2_grpc.ChunkServiceStub(channel)
+        try:
+            (res,) = [r async for r in stub.ReadChunks(chunk_pb2.ReadChunksRequest(
+                ranges=[chunk_pb2.ReadRange(chunk_id=request.chunk_id)]), timeout=COPY_TIMEOUT)]
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, request.source) from None
+        if res.code:
+            raise from_code(res.code, f"copy of chunk {short_id(request.chunk_id)} from {request.source}: "
+                                      f"{res.message}")
+        if len(res.data) != request.length:
+            raise DataLoss(f"copy of chunk {short_id(request.chunk_id)}: {request.source} sent {len(res.data)} "
+                           f"bytes, expected {request.length}")
+        # the write checks the bytes against the metaserver's checksum, not only the source's
+        created = await self.store.write(request.chunk_id, res.data, request.checksum, request.owner)
+        return chunk_pb2.CopyChunkReply(created=created, bytes=len(res.data))
+
+    @handles_errors
     async def Stat(self, request, context):
         c = self.store.counters
         return chunk_pb2.StatReply(
@@ -86,5 +118,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
             data_address=self.data_address,
             counters=chunk_pb2.IoCounters(
                 reads=c.reads, read_bytes=c.read_bytes, writes=c.writes, write_bytes=c.write_bytes,
-                deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests),
+                deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests,
+                scrubbed_bytes=c.scrubbed_bytes, scrub_passes=c.scrub_passes,
+                corrupt_chunks_removed=c.corrupt_chunks_removed),
             **self.store.stat())

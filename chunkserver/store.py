@@ -10,6 +10,11 @@ visible; a slot written but not yet indexed is free again after restart.
 Read path: index lookups, then all ranges of a request go to the disk together
 (io_uring), each verified against per-64 KiB xxh3 checksums before any byte of
 it leaves the store.
+
+Corruption: a chunk that fails its checksums (on a client read or in the
+scrubber, chunkserver/scrub.py) is removed, and its id and owner record are
+kept under b"l" in the index until a heartbeat has told the metaserver it is
+lost; the removal and that note are one synced batch, so a crash loses neither.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -36,12 +42,13 @@ from kvfs.config import ChunkserverConfig, MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
 
 from .slots import SlotFiles, SlotRef, probe_direct
-from .uring import open_reader
+from .uring import open_reader, settle
 
 log = logging.getLogger(__name__)
 
 MAX_ID = 64
 _KEY_PREFIX = b"c"
+_LOST_PREFIX = b"l"  # chunk id -> owner record of a chunk removed as corrupt, until reported
 _HEAD = struct.Struct("<BBIIIQdI")  # version, log2(class), file, slot, length, xxh3, created, blocks
 _VERSION = 1
 
@@ -101,6 +108,9 @@ class Counters:
     deletes: int = 0
     checksum_errors: int = 0
     rejected_requests: int = 0
+    scrubbed_bytes: int = 0
+    scrub_passes: int = 0
+    corrupt_chunks_removed: int = 0
 
 
 @dataclass(slots=True)
@@ -159,10 +169,20 @@ class _GroupCommitter:
                 self._db.write(wb, self._sync)
             except BaseException as exc:  # every waiter learns of the failure
                 for c in batch:
-                    c.future.set_exception(exc)
+                    settle(c.future, exc=exc)
             else:
                 for c in batch:
-                    c.future.set_result(None)
+                    settle(c.future, None)
+
+
+def run_to_completion(awaitable):
+    """Awaits `awaitable` but lets it finish if the caller is cancelled (a client
+    deadline, a hedged read that lost): slot writes, commits and kernel reads into
+    pooled buffers run on other threads and must complete before their buffers and
+    slots are reused or freed."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" noise
+    return asyncio.shield(task)
 
 
 class _BufferPool:
@@ -220,6 +240,10 @@ class ChunkStore:
         self._free_after_read: set[SlotRef] = set()
         self._pin_lock = threading.Lock()  # pins are taken by gRPC reads and data-port threads
         self._delete_lock = asyncio.Lock()
+        # chunks a client read found corrupt, for the scrubber to verify again and remove;
+        # on_suspect (set by the scrubber) wakes it, from whichever thread found one
+        self._suspects: dict[bytes, ChunkRecord] = {}
+        self.on_suspect: Callable[[], None] | None = None
 
     def _recover(self) -> None:
         started = time.monotonic()
@@ -255,6 +279,9 @@ class ChunkStore:
 
     async def write(self, chunk_id: bytes, data: bytes | bytearray, expected: int, owner: bytes = b"") -> bool:
         """Stores a chunk durably; False if an identical one was already there."""
+        return await run_to_completion(self._write(chunk_id, data, expected, owner))
+
+    async def _write(self, chunk_id: bytes, data: bytes | bytearray, expected: int, owner: bytes = b"") -> bool:
         self._check_id(chunk_id)
         if not 0 < len(data) <= self.cfg.max_chunk_size:
             raise InvalidArgument(f"chunk length must be 1..{self.cfg.max_chunk_size} bytes, got {len(data)}")
@@ -386,29 +413,43 @@ class ChunkStore:
             self.counters.reads += 1
             self.counters.read_bytes += nbytes
 
-    def count_checksum_error(self) -> None:
+    def count_checksum_error(self, chunk_id: bytes, rec: ChunkRecord, scrub: bool = False) -> None:
+        """Counts a failed verification; one a client read found becomes a suspect. Any thread."""
         with self._pin_lock:
             self.counters.checksum_errors += 1
+            if not scrub:
+                self._suspects[chunk_id] = rec
+        if not scrub and self.on_suspect is not None:
+            self.on_suspect()
 
-    async def read(self, ranges: list[tuple[bytes, int, int]]) -> list[ReadResult]:
+    def take_suspects(self) -> dict[bytes, ChunkRecord]:
+        with self._pin_lock:
+            suspects, self._suspects = self._suspects, {}
+        return suspects
+
+    async def read(self, ranges: list[tuple[bytes, int, int]], scrub: bool = False) -> list[ReadResult]:
         """Reads (chunk id, offset, length) ranges; length 0 means to the end.
 
         Each range gets its own result: NOT_FOUND, OUT_OF_RANGE and DATA_LOSS
-        (checksum mismatch, logged and never served) are per range.
+        (checksum mismatch, logged and never served) are per range. `scrub`
+        verifies without returning bytes or counting a client read.
         """
+        return await run_to_completion(self._read(ranges, scrub))
+
+    async def _read(self, ranges: list[tuple[bytes, int, int]], scrub: bool = False) -> list[ReadResult]:
         results, plan = self.plan_reads(ranges)
         ops = self.disk_reads(plan)
         try:
             done = await asyncio.wrap_future(self.reader.read_batch(ops))
             for p, (_, _, buf), got in zip(plan, ops, done):
-                results[p.index] = self._verify(p, buf, got)
+                results[p.index] = self._verify(p, buf, got, scrub)
         finally:
             for _, _, buf in ops:
                 self._pool.put(buf)
             self.release(plan)
         return results
 
-    def _verify(self, p: PlannedRead, buf: bytearray, got: int) -> ReadResult:
+    def _verify(self, p: PlannedRead, buf: bytearray, got: int, scrub: bool = False) -> ReadResult:
         chunk_id, rec, offset, length = p.chunk_id, p.rec, p.offset, p.length
         b0 = offset // BLOCK
         start = b0 * BLOCK
@@ -416,18 +457,22 @@ class ChunkStore:
         if got < need:
             reason = os.strerror(-got) if got < 0 else f"short read ({got} of {need} bytes)"
             log.error("chunk %s on %s: disk read failed: %s", short_id(chunk_id), self.cfg.id, reason)
+            if got >= 0:  # the slot file ends inside the chunk: as damaged as a bad checksum
+                self.count_checksum_error(chunk_id, rec, scrub)
             return ReadResult(grpc.StatusCode.DATA_LOSS if got >= 0 else grpc.StatusCode.INTERNAL,
                               f"chunk {short_id(chunk_id)} on {self.cfg.id}: {reason}")
         view = memoryview(buf)
         for j in range(need // BLOCK + (need % BLOCK > 0)):
             lo = j * BLOCK
             if checksum(view[lo : min(lo + BLOCK, need)]) != rec.blocks[b0 + j]:
-                self.count_checksum_error()
-                log.error("chunk %s on %s: checksum mismatch in block %d (slot %s); not served",
-                          short_id(chunk_id), self.cfg.id, b0 + j, rec.slot)
+                self.count_checksum_error(chunk_id, rec, scrub)
+                log.error("chunk %s on %s: checksum mismatch in block %d (slot %s, found by %s); not served",
+                          short_id(chunk_id), self.cfg.id, b0 + j, rec.slot, "scrub" if scrub else "a read")
                 return ReadResult(grpc.StatusCode.DATA_LOSS,
                                   f"chunk {short_id(chunk_id)} checksum mismatch on {self.cfg.id} "
                                   f"(block {b0 + j}); read another replica")
+        if scrub:
+            return ReadResult(length=rec.length, checksum=rec.checksum)
         self.count_read(length)
         lo = offset - start
         return ReadResult(data=bytes(view[lo : lo + length]), length=rec.length, checksum=rec.checksum)
@@ -446,6 +491,9 @@ class ChunkStore:
     async def delete(self, chunk_ids: list[bytes]) -> tuple[int, int]:
         """Deletes chunks; returns (deleted, not found). A slot being read is
         freed only after the read finishes."""
+        return await run_to_completion(self._delete(chunk_ids))
+
+    async def _delete(self, chunk_ids: list[bytes]) -> tuple[int, int]:
         for chunk_id in chunk_ids:
             self._check_id(chunk_id)
         async with self._delete_lock:
@@ -453,17 +501,59 @@ class ChunkStore:
             if found:
                 await asyncio.wrap_future(self._committer.submit(
                     deletes=[_KEY_PREFIX + cid for cid in found]))
-            with self._pin_lock:
-                for rec in found.values():
-                    if self._pins[rec.slot]:
-                        self._free_after_read.add(rec.slot)
-                    else:
-                        self._pins.pop(rec.slot, None)
-                        self.slots.free(rec.slot)
-                    self.chunk_count -= 1
-                    self.used_bytes -= rec.length
+            self._forget(found.values())
             self.counters.deletes += len(found)
             return len(found), len(set(chunk_ids)) - len(found)
+
+    def _forget(self, recs) -> None:
+        """Frees the slots of deleted chunks (a slot being read: once the read is done)."""
+        with self._pin_lock:
+            for rec in recs:
+                if self._pins[rec.slot]:
+                    self._free_after_read.add(rec.slot)
+                else:
+                    self._pins.pop(rec.slot, None)
+                    self.slots.free(rec.slot)
+                self.chunk_count -= 1
+                self.used_bytes -= rec.length
+
+    # -- corrupt chunks ----------------------------------------------------
+
+    async def remove_corrupt(self, chunk_id: bytes, rec: ChunkRecord) -> bool:
+        """Removes a chunk that failed verification and notes it for the metaserver;
+        False if the index no longer holds that very copy (deleted or replaced)."""
+        return await run_to_completion(self._remove_corrupt(chunk_id, rec))
+
+    async def _remove_corrupt(self, chunk_id: bytes, rec: ChunkRecord) -> bool:
+        async with self._delete_lock:
+            if self.get(chunk_id) != rec:
+                return False
+            await asyncio.wrap_future(self._committer.submit(
+                puts=[(_LOST_PREFIX + chunk_id, rec.owner)], deletes=[_KEY_PREFIX + chunk_id]))
+            self._forget([rec])
+            self.counters.corrupt_chunks_removed += 1
+            return True
+
+    def lost_chunks(self, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to `limit` (chunk id, owner record) of removed chunks not yet reported."""
+        it = self._db.iter()
+        it.seek(_LOST_PREFIX)
+        out, back = [], []
+        while it.valid() and it.key().startswith(_LOST_PREFIX) and len(out) < limit:
+            cid = it.key()[1:]
+            # stored here again since (re-replicated): not lost, and reporting it would undo that
+            (back if self.get(cid) is not None else out).append((cid, it.value()))
+            it.next()
+        del it
+        if back:  # not awaited: a note that survives a crash is dropped again next time
+            self._committer.submit(deletes=[_LOST_PREFIX + cid for cid, _ in back])
+        return out
+
+    async def forget_lost(self, chunk_ids: list[bytes]) -> None:
+        """The metaserver has heard of these lost chunks."""
+        # the heartbeat task is cancelled at shutdown: the delete still completes
+        await run_to_completion(asyncio.wrap_future(
+            self._committer.submit(deletes=[_LOST_PREFIX + c for c in chunk_ids])))
 
     def list(self, start_after: bytes, limit: int) -> tuple[list[tuple[bytes, ChunkRecord]], bytes]:
         """Up to `limit` chunks after `start_after`, in id order, and the next page token."""

@@ -24,6 +24,20 @@ log = logging.getLogger(__name__)
 ReadOp = tuple[int, int, bytearray]  # (fd, file offset, destination buffer)
 
 
+def settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
+    """Completes a thread-side future unless its waiter cancelled it: set_result on a
+    cancelled future raises, and would kill the reader or committer thread calling it."""
+    if future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled between the check and the set
+
+
 @dataclass(slots=True)
 class _Batch:
     ops: list[ReadOp]
@@ -111,8 +125,7 @@ class UringReader:
         except BaseException as exc:  # a dead reader must not hang its callers
             log.exception("io_uring reader thread failed")
             for batch, _ in list(inflight.values()) + list(waiting):
-                if not batch.future.done():
-                    batch.future.set_exception(exc)
+                settle(batch.future, exc=exc)
         finally:
             sel.close()
 
@@ -133,7 +146,7 @@ class UringReader:
             batch.results[i] = res
             batch.remaining -= 1
             if batch.remaining == 0:
-                batch.future.set_result(batch.results)
+                settle(batch.future, batch.results)
 
 
 class PreadvReader:
@@ -167,7 +180,7 @@ class PreadvReader:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                fut.set_result(results)
+                settle(fut, results)
 
         for i, op in enumerate(ops):
             self._pool.submit(self._read, op).add_done_callback(lambda f, i=i: done(i, f))

@@ -96,6 +96,9 @@ class ChunkserverConfig:
     max_chunk_size: int = _size(64 * MiB, "largest chunk accepted")
     max_read_bytes: int = _size(256 * MiB, "most bytes one ReadChunks call may ask for")
     max_ranges: int = _opt(4096, "most ranges one ReadChunks call may ask for")
+    scrub_rate: int = _size(64 * MiB, "background checksum verification of every stored chunk reads at "
+                            "most this many bytes/s (0: no background passes)")
+    scrub_interval: float = _duration(3600.0, "pause between two full scrub passes")
     data_listen: str = _opt("", "host:port of the bulk data port (default: the gRPC host and a free "
                             "port; 'off' serves reads over gRPC only)")
     meta: str = _opt("", "metaserver host:port to register with (empty: standalone)")
@@ -124,6 +127,9 @@ class MetaserverConfig:
     allocation_timeout: float = _duration(60.0, "an allocation not committed by then is garbage")
     lifecycle_interval: float = _duration(30.0, "how often expiry and orphan GC run")
     gc_grace: float = _duration(600.0, "an unreferenced chunk younger than this is left alone")
+    repair_interval: float = _duration(2.0, "how often servers back from silence are reconciled and "
+                                       "chunks short of copies re-replicated")
+    repair_rate: int = _size(256 * MiB, "re-replication copies at most this many bytes per second")
     max_keys: int = _opt(100_000, "most keys in one MatchPrefix or AllocateBlocks")
     rebuild: bool = _opt(False, "rebuild block metadata from chunkserver inventories after "
                          "servers register (see rebuild_after)")

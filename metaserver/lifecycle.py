@@ -103,7 +103,7 @@ class Lifecycle:
                 async for info in self._inventory(sid):
                     if now - info.created < self.state.cfg.gc_grace:
                         continue
-                    if not self.state.is_referenced(info.chunk_id, parse_owner(info.owner), open_chunks):
+                    if not self.state.is_referenced(info.chunk_id, parse_owner(info.owner), open_chunks, sid):
                         self._undeleted[sid].add(info.chunk_id)
             except grpc.aio.AioRpcError as err:
                 log.warning("listing chunks on %s failed (%s); orphan GC skips it this round", sid, err.code().name)

@@ -15,6 +15,7 @@ from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
 from .lifecycle import Lifecycle
+from .repair import Repairer
 from .service import MetaServicer
 from .state import MetaState
 
@@ -29,6 +30,7 @@ async def _rebuild_later(lifecycle: Lifecycle, delay: float) -> None:
 async def serve(cfg: MetaserverConfig) -> None:
     state = MetaState(cfg)
     lifecycle = Lifecycle(state)
+    repairer = Repairer(state, lifecycle)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(state, lifecycle), server)
     health_servicer = health.aio.HealthServicer()
@@ -39,7 +41,8 @@ async def serve(cfg: MetaserverConfig) -> None:
     log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d", address, cfg.data_dir,
              cfg.replicas, cfg.chunk_size)
     write_ready_file(cfg.ready_file, address)
-    tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever())]
+    tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
+             asyncio.create_task(repairer.run_forever())]
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()

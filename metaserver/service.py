@@ -7,7 +7,7 @@ from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import handles_errors
 
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, parse_owner
 from .state import MetaState
 
 
@@ -29,7 +29,12 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @handles_errors
     async def Heartbeat(self, request, context):
-        return meta_pb2.HeartbeatReply(register_again=not self.state.heartbeat(request))
+        known = self.state.heartbeat(request)
+        if known and request.lost_chunks:  # an unknown server re-registers and sends them again
+            dropped = self.state.chunks_lost(request.server_id,
+                                             [(c.chunk_id, parse_owner(c.owner)) for c in request.lost_chunks])
+            self.lifecycle.queue_deletes(dropped)
+        return meta_pb2.HeartbeatReply(register_again=not known)
 
     @handles_errors
     async def AllocateBlocks(self, request, context):
@@ -52,7 +57,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         reply = meta_pb2.StatusReply(blocks=len(st.blocks), block_bytes=sum(b.nbytes for b in st.blocks.values()),
                                      replicas=st.cfg.replicas, chains=len(st.chains),
                                      open_allocations=len(st.allocations), expired_blocks=st.expired_blocks,
-                                     gc_deleted_chunks=st.gc_deleted_chunks)
+                                     gc_deleted_chunks=st.gc_deleted_chunks, blocks_lost=st.blocks_lost,
+                                     replicas_lost=st.replicas_lost)
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

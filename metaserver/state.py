@@ -41,6 +41,21 @@ class ServerState:
     allocated_bytes: int = 0
     chunk_count: int = 0
     pending_bytes: int = 0  # allocated to writers, not yet seen in heartbeats
+    # False from when a server that had gone silent checks in again until its
+    # inventory was reconciled against metadata (stale copies deleted); not live meanwhile
+    reconciled: bool = True
+
+
+@dataclass(slots=True)
+class Repair:
+    """A chunk with fewer live copies than wanted."""
+
+    full_key: bytes  # namespace digest + block key
+    index: int
+    count: int  # chunks in the block
+    chunk: meta_pb2.StoredChunk
+    holders: list[str]  # live servers that have it
+    record: meta_pb2.BlockRecord
 
 
 @dataclass(slots=True)
@@ -83,6 +98,8 @@ class MetaState:
         self.chains: list[Chain] = []
         self.expired_blocks = 0
         self.gc_deleted_chunks = 0
+        self.blocks_lost = 0
+        self.replicas_lost = 0  # chunk copies servers removed as corrupt
         self._load()
 
     def _load(self) -> None:
@@ -125,6 +142,9 @@ class MetaState:
             log.info("chunkserver %s registered at %s (domain %s, capacity %d)", rec.id, rec.address,
                      rec.failure_domain, rec.capacity_bytes)
         state = self.servers.setdefault(req.server_id, ServerState(rec, self.clock()))
+        if not self.is_live(state) and state.reconciled:
+            state.reconciled = False  # a restart after silence: same as a heartbeat after silence
+            log.info("chunkserver %s is back; it serves again once its chunks are reconciled", req.server_id)
         state.record = rec
         state.last_heartbeat = self.clock()
         self._rebuild_chains()
@@ -139,13 +159,30 @@ class MetaState:
         state.chunk_count = req.chunk_count
         state.record.capacity_bytes = req.capacity_bytes or state.record.capacity_bytes
         state.pending_bytes = 0  # what was pending is in used_bytes now, or was abandoned
-        if not was_live:
-            log.info("chunkserver %s is live again", req.server_id)
-            self._rebuild_chains()
+        if not was_live and state.reconciled:
+            # its disk may hold copies re-replicated elsewhere or of blocks dropped meanwhile
+            state.reconciled = False
+            log.info("chunkserver %s is back; it serves again once its chunks are reconciled", req.server_id)
         return True
 
     def is_live(self, state: ServerState) -> bool:
-        return self.clock() - state.last_heartbeat <= self.cfg.heartbeat_timeout
+        return state.reconciled and self.clock() - state.last_heartbeat <= self.cfg.heartbeat_timeout
+
+    def to_reconcile(self) -> list[str]:
+        """Servers back from silence, heartbeating, waiting for reconciliation."""
+        now = self.clock()
+        return [sid for sid, s in self.servers.items()
+                if not s.reconciled and now - s.last_heartbeat <= self.cfg.heartbeat_timeout]
+
+    def reconciled(self, server_id: str) -> None:
+        self.servers[server_id].reconciled = True
+        log.info("chunkserver %s reconciled; live again", server_id)
+        self._rebuild_chains()
+
+    @staticmethod
+    def free_bytes(state: ServerState) -> int:
+        """Capacity less what the server reported used and what was placed on it since."""
+        return max(0, state.record.capacity_bytes - state.used_bytes - state.pending_bytes)
 
     def live_servers(self) -> dict[str, ServerState]:
         return {sid: s for sid, s in self.servers.items() if self.is_live(s)}
@@ -181,8 +218,7 @@ class MetaState:
         layout = layout_of(layout_msg)
         self.refresh_liveness()
         live = self.live_servers()
-        placer = Placer(self.chains, {sid: max(0, s.record.capacity_bytes - s.used_bytes - s.pending_bytes)
-                                      for sid, s in live.items()})
+        placer = Placer(self.chains, {sid: self.free_bytes(s) for sid, s in live.items()})
         spans = layout.chunks(self.cfg.chunk_size)
         alloc_id = os.urandom(16)
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
@@ -315,6 +351,46 @@ class MetaState:
         self.db.write(batch)
         return len(dirty)
 
+    # ---- chunks lost to corruption -----------------------------------------
+
+    def chunks_lost(self, server_id: str, lost: list[tuple[bytes, meta_pb2.ChunkOwner | None]]) -> list:
+        """`server_id` removed these chunks (they failed their checksums). It leaves
+        each one's replicas, so lookups stop sending readers there and repair sees
+        the chunk short of copies; a block left with a chunk nobody holds is dropped
+        (a cache: the next request recomputes it). Returns the chunks of dropped
+        blocks, for deletion. Reports are resent until acknowledged: idempotent."""
+        wanted: dict[bytes, set[bytes]] = {}
+        for chunk_id, owner in lost:
+            if owner is None or not owner.block_key:
+                log.warning("chunkserver %s lost chunk %s whose owner record names no block; metadata "
+                            "may still list the copy (readers sent there get NOT_FOUND and use another)",
+                            server_id, chunk_id.hex()[:16])
+                continue
+            wanted.setdefault(owner.namespace_digest + owner.block_key, set()).add(chunk_id)
+        if not wanted:
+            return []
+        full_keys = list(wanted)
+        batch = WriteBatch(raw_mode=True)
+        removed, dead = 0, []
+        for full, raw in zip(full_keys, self.db.get([_BLOCK + k for k in full_keys])):
+            if raw is None:
+                continue  # expired, evicted or dropped already, or never committed
+            rec = meta_pb2.BlockRecord.FromString(raw)
+            gone = [c for c in rec.chunks if c.chunk_id in wanted[full] and server_id in c.servers]
+            for c in gone:
+                c.servers.remove(server_id)
+            if gone:
+                removed += len(gone)
+                batch.put(_BLOCK + full, rec.SerializeToString())
+                if any(not c.servers for c in rec.chunks):
+                    dead.append(full)
+        if removed:
+            self.db.write(batch, self._sync)
+            self.replicas_lost += removed
+            log.warning("chunkserver %s lost %d chunk copies to corruption; %d blocks left with a chunk "
+                        "no server holds", server_id, removed, len(dead))
+        return self.drop_lost_blocks(dead)
+
     # ---- lifecycle -------------------------------------------------------
 
     def expire_blocks(self) -> list[meta_pb2.StoredChunk]:
@@ -353,8 +429,22 @@ class MetaState:
     def open_allocation_chunks(self) -> set[bytes]:
         return set().union(*(a.chunk_ids for a in self.allocations.values()))
 
-    def is_referenced(self, chunk_id: bytes, owner: meta_pb2.ChunkOwner | None, open_chunks: set[bytes]) -> bool:
-        """Whether a chunk a server holds belongs to a committed block or an open allocation."""
+    def is_stale(self, chunk_id: bytes, owner: meta_pb2.ChunkOwner | None, server_id: str) -> bool:
+        """Whether a chunk server `server_id` holds belongs to a committed block that lists
+        its copies on other servers only (re-replicated while this one was away). Chunks
+        metadata knows nothing of are not stale: orphan GC takes them, after its grace."""
+        if owner is None:
+            return False
+        raw = self.db.get(_BLOCK + owner.namespace_digest + owner.block_key)
+        if raw is None:
+            return False
+        return any(c.chunk_id == chunk_id and server_id not in c.servers
+                   for c in meta_pb2.BlockRecord.FromString(raw).chunks)
+
+    def is_referenced(self, chunk_id: bytes, owner: meta_pb2.ChunkOwner | None, open_chunks: set[bytes],
+                      server_id: str) -> bool:
+        """Whether a chunk server `server_id` holds is one of the copies a committed block
+        lists, or part of an open allocation."""
         if chunk_id in open_chunks:
             return True
         if owner is None:
@@ -362,7 +452,72 @@ class MetaState:
         raw = self.db.get(_BLOCK + owner.namespace_digest + owner.block_key)
         if raw is None:
             return False
-        return any(c.chunk_id == chunk_id for c in meta_pb2.BlockRecord.FromString(raw).chunks)
+        return any(c.chunk_id == chunk_id and server_id in c.servers
+                   for c in meta_pb2.BlockRecord.FromString(raw).chunks)
+
+    # ---- replication ----------------------------------------------------
+
+    def under_replicated(self) -> tuple[list[Repair], list[bytes]]:
+        """Chunks of committed blocks with fewer live copies than `replicas` (fewest
+        first), and the blocks with a chunk that has no live copy at all."""
+        live = self.live_servers()
+        repairs, lost = [], []
+        keys = list(self.blocks)
+        for i in range(0, len(keys), 1024):
+            part = keys[i : i + 1024]
+            for full, raw in zip(part, self.db.get([_BLOCK + k for k in part])):
+                if raw is None:
+                    continue
+                rec = meta_pb2.BlockRecord.FromString(raw)
+                wanting = []
+                for index, c in enumerate(rec.chunks):
+                    holders = [sid for sid in c.servers if sid in live]
+                    if not holders:
+                        lost.append(full)
+                        break
+                    if len(holders) < self.cfg.replicas:
+                        wanting.append(Repair(full, index, len(rec.chunks), c, holders, rec))
+                else:
+                    repairs += wanting
+        repairs.sort(key=lambda r: len(r.holders))
+        return repairs, lost
+
+    def replica_target(self, holders: list[str], nbytes: int) -> str | None:
+        """A live server for one more copy: not a holder, in a failure domain no holder
+        is in if possible, then the one with most free space."""
+        live = self.live_servers()
+        domains = {live[h].record.failure_domain for h in holders if h in live}
+        choices = [s for sid, s in live.items() if sid not in holders and self.free_bytes(s) >= nbytes]
+        if not choices:
+            return None
+        best = max(choices, key=lambda s: (s.record.failure_domain not in domains, self.free_bytes(s)))
+        best.pending_bytes += nbytes
+        return best.record.id
+
+    def update_replicas(self, full_key: bytes, chunk_id: bytes, added: list[str], gone: list[str]) -> bool:
+        """One chunk of a block gained copies on `added` and lost those on `gone`,
+        applied to the record as it is now (a loss report may have come in meanwhile);
+        False if the block is gone."""
+        raw = self.db.get(_BLOCK + full_key)
+        if raw is None:
+            return False
+        rec = meta_pb2.BlockRecord.FromString(raw)
+        for c in rec.chunks:
+            if c.chunk_id == chunk_id:
+                servers = [s for s in c.servers if s not in gone] + [s for s in added if s not in c.servers]
+                del c.servers[:]
+                c.servers.extend(servers)
+        self.db.put(_BLOCK + full_key, rec.SerializeToString(), self._sync)
+        return True
+
+    def drop_lost_blocks(self, full_keys: list[bytes]) -> list:
+        """Blocks with a chunk no live server holds: gone from metadata (a cache: the
+        next request recomputes them); returns their chunks, for deletion."""
+        garbage = self._drop_blocks(full_keys)
+        self.blocks_lost += len(full_keys)
+        if full_keys:
+            log.warning("%d blocks lost every copy of a chunk; dropped from metadata", len(full_keys))
+        return garbage
 
     def restore_blocks(self, found: dict[bytes, dict]) -> tuple[int, int]:
         """Rebuild: commits blocks whose every chunk was found on some server.

@@ -18,15 +18,21 @@ def wait_until(condition, timeout: float = 10, what: str = "condition", interval
 
 
 async def until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
-    """wait_until for async tests: polls without blocking the event loop."""
+    """wait_until for async tests: polls without blocking the event loop; `condition`
+    may be a plain function or return an awaitable."""
     import asyncio
+    import inspect
 
     deadline = time.monotonic() + timeout
-    while not (value := condition()):
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
-    return value
 
 
 def layer_major(layout, block_payloads: list[bytes], tokens: int | None = None) -> bytearray:

@@ -6,6 +6,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CopyChunkRequest(_message.Message):
+    __slots__ = ("chunk_id", "source", "length", "checksum", "owner")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: bytes
+    source: str
+    length: int
+    checksum: int
+    owner: bytes
+    def __init__(self, chunk_id: _Optional[bytes] = ..., source: _Optional[str] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., owner: _Optional[bytes] = ...) -> None: ...
+
+class CopyChunkReply(_message.Message):
+    __slots__ = ("created", "bytes")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    bytes: int
+    def __init__(self, created: _Optional[bool] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class ChunkHeader(_message.Message):
     __slots__ = ("chunk_id", "length", "checksum", "owner")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -113,7 +135,7 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class IoCounters(_message.Message):
-    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests")
+    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests", "scrubbed_bytes", "scrub_passes", "corrupt_chunks_removed")
     READS_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +143,9 @@ class IoCounters(_message.Message):
     DELETES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_CHUNKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     reads: int
     read_bytes: int
     writes: int
@@ -128,7 +153,10 @@ class IoCounters(_message.Message):
     deletes: int
     checksum_errors: int
     rejected_requests: int
-    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ...) -> None: ...
+    scrubbed_bytes: int
+    scrub_passes: int
+    corrupt_chunks_removed: int
+    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., corrupt_chunks_removed: _Optional[int] = ...) -> None: ...
 
 class StatReply(_message.Message):
     __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters", "data_address")

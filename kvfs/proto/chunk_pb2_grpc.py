@@ -59,6 +59,11 @@ class ChunkServiceStub:
                 request_serializer=chunk__pb2.StatRequest.SerializeToString,
                 response_deserializer=chunk__pb2.StatReply.FromString,
                 _registered_method=True)
+        self.CopyChunk = channel.unary_unary(
+                '/kvfs.chunk.ChunkService/CopyChunk',
+                request_serializer=chunk__pb2.CopyChunkRequest.SerializeToString,
+                response_deserializer=chunk__pb2.CopyChunkReply.FromString,
+                _registered_method=True)
 
 
 class ChunkServiceServicer:
@@ -104,6 +109,15 @@ class ChunkServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyChunk(self, request, context):
+        """Re-replication (called by the metaserver): fetch a chunk from another
+        chunkserver, which verifies it before serving it, check it against
+        `checksum` and store it here with `owner`. Already here: a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChunkServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_ChunkServiceServicer_to_server(servicer, server):
                     servicer.Stat,
                     request_deserializer=chunk__pb2.StatRequest.FromString,
                     response_serializer=chunk__pb2.StatReply.SerializeToString,
+            ),
+            'CopyChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyChunk,
+                    request_deserializer=chunk__pb2.CopyChunkRequest.FromString,
+                    response_serializer=chunk__pb2.CopyChunkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class ChunkService:
             '/kvfs.chunk.ChunkService/Stat',
             chunk__pb2.StatRequest.SerializeToString,
             chunk__pb2.StatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.chunk.ChunkService/CopyChunk',
+            chunk__pb2.CopyChunkRequest.SerializeToString,
+            chunk__pb2.CopyChunkReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,18 +67,28 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("server_id", "used_bytes", "allocated_bytes", "chunk_count", "capacity_bytes")
+    __slots__ = ("server_id", "used_bytes", "allocated_bytes", "chunk_count", "capacity_bytes", "lost_chunks")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOST_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     used_bytes: int
     allocated_bytes: int
     chunk_count: int
     capacity_bytes: int
-    def __init__(self, server_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    lost_chunks: _containers.RepeatedCompositeFieldContainer[LostChunk]
+    def __init__(self, server_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., lost_chunks: _Optional[_Iterable[_Union[LostChunk, _Mapping]]] = ...) -> None: ...
+
+class LostChunk(_message.Message):
+    __slots__ = ("chunk_id", "owner")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: bytes
+    owner: bytes
+    def __init__(self, chunk_id: _Optional[bytes] = ..., owner: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("register_again",)
@@ -241,7 +251,7 @@ class ServerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks")
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +260,8 @@ class StatusReply(_message.Message):
     OPEN_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GC_DELETED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LOST_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_LOST_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     blocks: int
     block_bytes: int
@@ -258,7 +270,9 @@ class StatusReply(_message.Message):
     open_allocations: int
     expired_blocks: int
     gc_deleted_chunks: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ...) -> None: ...
+    blocks_lost: int
+    replicas_lost: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ...) -> None: ...
 
 class RebuildRequest(_message.Message):
     __slots__ = ()

@@ -80,6 +80,10 @@ def test_match_reports_live_replicas_of_every_chunk(make_state):
     # every server but one goes silent: chunks with no live replica end the match
     clock.now += 6
     state.heartbeat(meta_pb2.HeartbeatRequest(server_id="cs-0"))
+    # back from silence: not live until its chunks were reconciled (metaserver/repair.py)
+    assert state.to_reconcile() == ["cs-0"] and state.match(NS.digest, keys).matched == 0
+    state.reconciled("cs-0")
+    assert state.to_reconcile() == [] and "cs-0" in state.live_servers()
     reply = state.match(NS.digest, keys)
     assert [s.id for s in reply.servers] in ([], ["cs-0"])
     readable = [all("cs-0" in placed[c.chunk_id] for c in b.chunks) for b in alloc.blocks]
@@ -172,3 +176,35 @@ def test_no_chains_without_enough_failure_domains(make_state, tmp_path):
     with pytest.raises(Unavailable, match="failure domains"):
         state.allocate(NS.digest, block_keys(NS, range(64), 64), LAYOUT_MSG)
     state.close()
+
+
+def test_silent_servers_leave_chunks_short_of_copies_and_blocks_without_any_are_lost(make_state):
+    clock = Clock()
+    state = make_state(clock, heartbeat_timeout=5)
+    keys = block_keys(NS, range(32), 4)
+    alloc, _ = write(state, keys)
+    assert state.under_replicated() == ([], [])
+    clock.now += 6  # cs-0 alone keeps heartbeating
+    state.heartbeat(meta_pb2.HeartbeatRequest(server_id="cs-0"))
+    state.reconciled("cs-0")
+    repairs, lost = state.under_replicated()
+    chains = [set(c.servers) for b in alloc.blocks for c in b.chunks]
+    # every chunk had two copies in distinct domains, so each kept at most cs-0's
+    assert all(r.holders == ["cs-0"] for r in repairs)
+    assert len(repairs) == sum("cs-0" in c for c in chains)
+    assert {k for k in lost} == {NS.digest + b.key for b in alloc.blocks
+                                 if any("cs-0" not in set(c.servers) for c in b.chunks)}
+    # a new copy on a server that is back: the block lists live copies only
+    state.heartbeat(meta_pb2.HeartbeatRequest(server_id="cs-1"))
+    state.reconciled("cs-1")
+    r = next(r for r in repairs if "cs-2" in r.chunk.servers)  # copies on cs-0 and the silent cs-2
+    assert state.replica_target(r.holders, r.chunk.length) == "cs-1"
+    assert state.update_replicas(r.full_key, r.chunk.chunk_id, added=["cs-1"], gone=["cs-2"])
+    owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=r.full_key[len(NS.digest):])
+    assert state.is_stale(r.chunk.chunk_id, owner, "cs-2")  # re-created on cs-1 while cs-2 was away
+    assert not state.is_stale(r.chunk.chunk_id, owner, "cs-1")
+    assert not state.is_stale(b"x" * 16, owner, "cs-2")  # not a chunk of that block: orphan GC's
+    assert not state.is_stale(r.chunk.chunk_id, None, "cs-2")
+    garbage = state.drop_lost_blocks(lost)
+    assert state.blocks_lost == len(lost) and len(garbage) >= len(lost)
+    assert state.under_replicated()[1] == []

@@ -1,0 +1,142 @@
+"""Healing: servers that come back are reconciled before they serve, chunks short
+of copies are copied server to server, blocks that lost every copy of a chunk
+are dropped from metadata.
+
+One round (every `repair_interval`):
+  1. a server that went silent and checks in again lists its chunks; the copies
+     committed blocks no longer list on it (re-created elsewhere meanwhile) are
+     deleted, and only then is it live again (chunks of blocks metadata does not
+     know are orphan GC's, after its grace: metadata may be mid-rebuild);
+  2. chunks of committed blocks with fewer live copies than `replicas` get new
+     ones: a live server without a copy (another failure domain first, then the
+     most free space) pulls it from a live holder (CopyChunk), which verifies it
+     on the way; the block then lists the live holders and the new copies;
+  3. a block with a chunk no live server holds is dropped (it is a cache: the
+     next request recomputes it) and counted.
+Copies are paced to `repair_rate` bytes/s so that restores keep the disks and
+network, and none start in the first rounds after the metaserver starts, while
+servers are still checking in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import grpc
+
+from kvfs.keys import KEY_BYTES
+from kvfs.proto import chunk_pb2, meta_pb2
+
+from .lifecycle import DELETE_BATCH, RPC_TIMEOUT, Lifecycle, parse_owner
+from .state import MetaState, Repair
+
+log = logging.getLogger(__name__)
+
+COPIES_IN_FLIGHT = 4
+
+
+class Repairer:
+    def __init__(self, state: MetaState, lifecycle: Lifecycle):
+        self.state = state
+        self.lifecycle = lifecycle
+        self.started = state.clock()
+        self.copied_chunks = 0
+        self.copied_bytes = 0
+        self.failed_copies = 0
+        self.under_replicated = 0  # chunks short of copies at the last round's start
+        self._lock = asyncio.Lock()
+
+    async def run_once(self) -> None:
+        async with self._lock:
+            for sid in self.state.to_reconcile():
+                await self._reconcile(sid)
+            # after a metaserver restart every server has a heartbeat timeout to check in;
+            # before that, silence means nothing
+            if self.state.clock() - self.started < 2 * self.state.cfg.heartbeat_timeout:
+                return
+            self.state.refresh_liveness()
+            repairs, lost = self.state.under_replicated()
+            self.lifecycle.queue_deletes(self.state.drop_lost_blocks(lost))
+            self.under_replicated = len(repairs)
+            if repairs:
+                await self._copy_all(repairs)
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.state.cfg.repair_interval)
+            try:
+                await self.run_once()
+            except Exception:  # keep healing; the next round retries
+                log.exception("repair round failed")
+
+    async def _reconcile(self, sid: str) -> None:
+        stale = []
+        try:
+            async for info in self.lifecycle._inventory(sid):
+                if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid):
+                    stale.append(info.chunk_id)
+            stub = self.lifecycle._stub(sid)
+            for i in range(0, len(stale), DELETE_BATCH):
+                await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=stale[i : i + DELETE_BATCH]),
+                                        timeout=RPC_TIMEOUT)
+        except grpc.aio.AioRpcError as err:
+            log.warning("reconciling %s failed (%s); it stays out until the next round", sid, err.code().name)
+            return
+        log.info("reconciled %s: %d stale chunks deleted", sid, len(stale))
+        self.state.gc_deleted_chunks += len(stale)
+        self.state.reconciled(sid)
+
+    async def _copy_all(self, repairs: list[Repair]) -> None:
+        loop = asyncio.get_running_loop()
+        t0, moved = loop.time(), 0
+        slots = asyncio.Semaphore(COPIES_IN_FLIGHT)
+
+        async def one(r: Repair) -> None:
+            nonlocal moved
+            async with slots:
+                moved += await self._copy(r)
+                # pace: never ahead of repair_rate since the round began
+                ahead = moved / self.state.cfg.repair_rate - (loop.time() - t0)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+
+        await asyncio.gather(*(one(r) for r in repairs))
+        log.info("repair: %d chunks short of copies; %d bytes copied in %.1fs", len(repairs), moved,
+                 loop.time() - t0)
+
+    async def _copy(self, r: Repair) -> int:
+        """New copies of one chunk until it has `replicas` live ones; bytes copied."""
+        servers = list(r.holders)
+        copied = 0
+        while len(servers) < self.state.cfg.replicas:
+            target = self.state.replica_target(servers, r.chunk.length)
+            if target is None:
+                break  # nowhere to put it now; a later round retries
+            source = self.state.servers[random.choice(r.holders)].record.address
+            owner = meta_pb2.ChunkOwner(namespace_digest=r.full_key[:-KEY_BYTES], block_key=r.full_key[-KEY_BYTES:],
+                                        chunk_index=r.index, chunk_count=r.count, layout=r.record.layout,
+                                        ttl_class=r.record.ttl_class, chunk_size=self.state.cfg.chunk_size)
+            try:
+                await self.lifecycle._stub(target).CopyChunk(chunk_pb2.CopyChunkRequest(
+                    chunk_id=r.chunk.chunk_id, source=source, length=r.chunk.length, checksum=r.chunk.checksum,
+                    owner=owner.SerializeToString()), timeout=RPC_TIMEOUT)
+            except grpc.aio.AioRpcError as err:
+                self.failed_copies += 1
+                log.warning("copying chunk %s from %s to %s failed (%s: %s)", r.chunk.chunk_id.hex()[:16], source,
+                            target, err.code().name, err.details())
+                break
+            servers.append(target)
+            copied += r.chunk.length
+        if copied:
+            # the block now lists its live copies: a dead server's copy is stale, and it is
+            # deleted when that server comes back and is reconciled
+            gone = [s for s in r.chunk.servers if s not in r.holders]
+            if self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):], gone):
+                self.copied_chunks += len(servers) - len(r.holders)
+                self.copied_bytes += copied
+            else:  # the block expired meanwhile: the new copies are orphans
+                self.lifecycle.queue_deletes([meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id,
+                                                                   servers=servers[len(r.holders):])])
+        return copied

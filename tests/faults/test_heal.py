@@ -1,0 +1,61 @@
+"""A chunkserver dies: its replicas leave lookups, the cluster copies what it held
+to the others, and when it comes back its stale copies are deleted before it
+serves again."""
+
+import os
+import time
+
+from kvfs.client import ChunkClient, Client
+from kvfs.keys import Namespace
+from kvfs.layout import BlockLayout
+
+from helpers import restore_all, tokens_for, until
+
+NS = Namespace("acme", "heal")
+MLA = BlockLayout.mla()
+
+
+def holders(match) -> list[set[str]]:
+    """Server ids holding each chunk of each matched block."""
+    return [{match.servers[i].id for i in c.replicas} for b in match.blocks for c in b.chunks]
+
+
+async def test_dead_server_is_detected_re_replicated_and_reconciled_on_return(local_cluster):
+    cluster = local_cluster(chunkservers=3, replicas=2)
+    tokens = tokens_for(24, seed=31)
+    payload = os.urandom(MLA.buffer_bytes(24 * 64))
+    async with Client(cluster.meta_address) as client:
+        await client.write(NS, tokens, payload, MLA)
+        before = holders(await client.lookup(NS, tokens))
+        on_victim = sum("cs-1" in h for h in before)
+        assert on_victim > 0 and all(len(h) == 2 for h in before)
+
+        cluster.chunkservers[1].kill()
+        killed = time.monotonic()
+        print(f"injected: SIGKILL cs-1, which held {on_victim} of {len(before)} chunks")
+
+        async def victim_gone():
+            m = await client.lookup(NS, tokens)
+            return m.matched == 24 and not any("cs-1" in h for h in holders(m))
+
+        async def fully_replicated():
+            m = await client.lookup(NS, tokens)
+            return m.matched == 24 and all(len(h) == 2 and "cs-1" not in h for h in holders(m))
+
+        await until(victim_gone, 30, "cs-1 to leave lookups", interval=0.1)
+        detected = time.monotonic() - killed
+        await until(fully_replicated, 60, "two live copies of every chunk", interval=0.1)
+        healed = time.monotonic() - killed
+        out, _, stats = await restore_all(client, await client.lookup(NS, tokens), MLA)
+        assert bytes(out) == payload
+        print(f"saw: cs-1 out of lookups after {detected:.1f}s, every chunk on two live servers after {healed:.1f}s")
+
+        cs1 = cluster.start_chunkserver(1)  # waits until the metaserver lists it live, i.e. reconciled
+        async with ChunkClient(cs1.address) as c:
+            assert (await c.stat()).chunk_count == 0  # every copy it held had been re-created elsewhere
+        assert "stale chunks deleted" in cluster.meta.log_path.read_text()
+        m = await client.lookup(NS, tokens)
+        assert m.matched == 24 and all(len(h) == 2 for h in holders(m))
+        out, _, _ = await restore_all(client, m, MLA)
+        assert bytes(out) == payload
+        print(f"saw: cs-1 back with its {on_victim} stale copies deleted before it served; restores exact")
