@@ -107,6 +107,8 @@ class AdmissionController:
     server_latency: object = None  # per-chunkserver read latency (kvfs.client.hedge.ServerLatency)
     # prefills admitted and not finished: request -> (its compute queue deadline, predicted seconds)
     compute_ahead: dict = field(default_factory=dict)
+    _busy_since: float | None = None  # when the read queue last went from empty to busy
+    _last_done: float | None = None  # when the last restore finished
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,14 +116,25 @@ class AdmissionController:
 
     # ---- what the engine observes -------------------------------------------
 
-    def restore_issued(self, nbytes: int) -> None:
+    def restore_issued(self, nbytes: int, now: float | None = None) -> None:
+        if self.queued_bytes == 0:
+            self._busy_since = now
         self.queued_bytes += nbytes
 
-    def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None) -> None:
-        """A restore ended: `nbytes` moved in `seconds`; `issued` is what it had queued."""
+    def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None,
+                         now: float | None = None) -> None:
+        """A restore ended: `nbytes` moved in `seconds`; `issued` is what it had queued.
+
+        With `now`, the sample is the read path's throughput: these bytes over the
+        time since the previous restore finished (or the path became busy). Under
+        concurrency a single restore's own rate is its share, not what the path
+        delivers, and would make the queue look slower to drain than it is."""
         self.queued_bytes = max(0, self.queued_bytes - (nbytes if issued is None else issued))
         if nbytes and seconds > 0:
-            self.read_bandwidth.add(nbytes / seconds)
+            since = None if now is None else max(self._last_done or now - seconds, self._busy_since or now - seconds)
+            self.read_bandwidth.add(nbytes / (now - since) if since is not None and now > since else nbytes / seconds)
+        if now is not None:
+            self._last_done = now
         if self.queued_bytes == 0 and self.on_idle is not None:
             self.on_idle()
 

@@ -132,7 +132,7 @@ class Engine:
         if blocks:
             restore = self.client.read(match, cache.bytes(), blocks=blocks, buffer_tokens=max_tokens)
             if self.admission is not None:
-                self.admission.restore_issued(blocks * self.layout.payload_bytes)
+                self.admission.restore_issued(blocks * self.layout.payload_bytes, time.perf_counter())
         # a fully cached prompt still runs its last token, for the logits
         start = min(blocks * self.layout.block_tokens, n - 1)
         p0 = time.perf_counter()
@@ -148,12 +148,13 @@ class Engine:
                 timings.hedges, timings.hedges_won = stats.hedges, stats.hedges_won
                 timings.tokens_matched = blocks * self.layout.block_tokens
                 if self.admission is not None:
-                    self.admission.restore_finished(stats.bytes, stats.seconds, blocks * self.layout.payload_bytes)
+                    self.admission.restore_finished(stats.bytes, stats.seconds, blocks * self.layout.payload_bytes,
+                                                    time.perf_counter())
         except KvfsError as err:
             log.warning("restore of %d blocks failed (%s); recomputing the prompt", match.matched, err.message)
             restore.cancel()
             if self.admission is not None:
-                self.admission.restore_finished(0, 0.0, blocks * self.layout.payload_bytes)
+                self.admission.restore_finished(0, 0.0, blocks * self.layout.payload_bytes, time.perf_counter())
             timings.recomputed_after_failed_restore = True
             # a fresh buffer: reads still in flight may land in the old one, which is not reused
             buf = self.pool.get(self.layout.buffer_bytes(max_tokens))

@@ -114,7 +114,7 @@ def _restore(args) -> int:
 
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
-    from .restore import make_workload, prompt_maker, run_policy, warm_up
+    from .restore import make_workload, merge_passes, prompt_maker, run_policy, warm_up
 
     cfg = ModelConfig.preset(args.preset)
     policies = args.policy.split(",")
@@ -130,15 +130,24 @@ def _restore(args) -> int:
         task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
         asyncio.run(warm_up(meta, cfg, workload, prompt_maker(cfg, workload, args.seed, 0), ns,
                             lambda: progress.advance(task)))
-        for i, policy in enumerate(policies, start=1):
-            task = progress.add_task(f"policy {policy}", total=len(workload) if args.duration is None else None)
-            results.append(asyncio.run(run_policy(meta, cfg, policy, workload,
-                                                  prompt_maker(cfg, workload, args.seed, i), args.concurrency,
-                                                  ns, args.duration, lambda t=task: progress.advance(t))))
+        # passes alternate the order (A B C, C B A, ...) so that drift on a shared machine
+        # (page cache, other load) does not favour whichever policy runs first
+        passes: dict[str, list[dict]] = {p: [] for p in policies}
+        run = 0
+        for k in range(args.repeat):
+            for policy in policies if k % 2 == 0 else policies[::-1]:
+                run += 1
+                task = progress.add_task(f"pass {k + 1}: policy {policy}",
+                                         total=len(workload) if args.duration is None else None)
+                passes[policy].append(asyncio.run(run_policy(
+                    meta, cfg, policy, workload, prompt_maker(cfg, workload, args.seed, run), args.concurrency,
+                    ns, args.duration, lambda t=task: progress.advance(t))))
+        results = [merge_passes(passes[p]) for p in policies]
     console.print(_policy_table(results))
     config = {"preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
               "requests": args.requests, "duration": args.duration, "concurrency": args.concurrency,
               "policies": policies, "seed": args.seed, "hits": hits, "chunkservers": args.chunkservers,
+              "repeat": args.repeat,
               "meta": args.meta}
     _write_json(args.json, {"bench": "restore", **_host(), "config": config, "results": results})
     _plot(args.plot, results, f"kvfs-bench restore: {args.prompt_tokens} tokens, hit ratio {args.hit_ratio}, "
@@ -292,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--requests", type=int, default=32,
                          help="requests per policy; with --duration, distinct requests cycled")
     restore.add_argument("--duration", type=float, help="seconds of load per policy (default: --requests once)")
+    restore.add_argument("--repeat", type=int, default=1,
+                         help="passes per policy, in alternating order; percentiles pool every pass")
     restore.add_argument("--concurrency", type=int, default=8)
     restore.add_argument("--policy", default="adaptive,always-restore,always-recompute")
     restore.add_argument("--seed", type=int, default=0)

@@ -10,6 +10,7 @@ policy runs the same requests in the same order on the same cluster.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
 import random
@@ -151,6 +152,7 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
         "token_hit_ratio": totals["cached_tokens"] / max(1, totals["prompt_tokens"]),
         "restore_gbps": totals["restored"] / totals["restore_s"] / 1e9 if totals["restore_s"] else 0.0,
         "bytes_restored": totals["restored"],
+        "restore_s": totals["restore_s"],
         "bytes_written": written,
         "write_back_gbps": written / wall / 1e9,
         "write_backs_dropped": totals["dropped"],
@@ -177,6 +179,25 @@ async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Re
                           progress=progress)
     del result["token_hit_ratio"]  # the workload sets it
     return result
+
+def merge_passes(passes: list[dict]) -> dict:
+    """One policy's result from several passes: samples pooled, counts added."""
+    if len(passes) == 1:
+        return {**passes[0], "passes": 1}
+    samples = {k: sorted(x for p in passes for x in p["ttft_samples"][k]) for k in ("hit", "miss")}
+    total = {k: sum(p[k] for p in passes) for k in ("requests", "bytes_restored", "restore_s", "bytes_written",
+                                                     "write_backs_dropped", "write_backs_deferred", "hedges",
+                                                     "hedges_won", "load_s", "wall_s")}
+    decisions = collections.Counter()
+    for p in passes:
+        decisions.update(p["decisions"])
+    return {**passes[-1], **total, "passes": len(passes),
+            "ttft_hit": percentiles(samples["hit"]), "ttft_miss": percentiles(samples["miss"]),
+            "ttft_all": percentiles(samples["hit"] + samples["miss"]), "ttft_samples": samples,
+            "restore_gbps": total["bytes_restored"] / total["restore_s"] / 1e9 if total["restore_s"] else 0.0,
+            "write_back_gbps": total["bytes_written"] / total["wall_s"] / 1e9, "decisions": dict(decisions),
+            "pass_means": [p["ttft_all"].get("mean", 0.0) for p in passes]}
+
 
 def load_trace(path: str, limit: int | None, vocab: int, block: int = 512) -> list[tuple[float, list[int], int]]:
     """A Mooncake-format trace as (arrival seconds, prompt tokens, cacheable tokens).

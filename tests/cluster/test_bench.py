@@ -78,11 +78,12 @@ def test_restore_bench_report_shape_and_counts(tmp_path):
 
 def test_restore_bench_runs_for_a_duration(tmp_path):
     report, _ = run(["restore", "--preset", "tiny", "--prompt-tokens", "130", "--requests", "3", "--duration", "2",
-                     "--concurrency", "2", "--hit-ratio", "0.7", "--policy", "adaptive", "--chunkservers", "2"],
-                    tmp_path)
+                     "--concurrency", "2", "--hit-ratio", "0.7", "--policy", "adaptive", "--chunkservers", "2",
+                     "--repeat", "2"], tmp_path)
     (r,) = report["results"]
+    assert r["passes"] == 2 and len(r["pass_means"]) == 2
     assert report["config"]["duration"] == 2
-    assert r["requests"] > 3  # the three distinct requests were cycled
+    assert r["requests"] > 6  # the three distinct requests were cycled, in each of two passes
     assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == r["requests"]
     assert r["load_s"] <= r["wall_s"]
     # a hit repeats its cached prompt; a miss gets fresh tokens every time round

@@ -118,3 +118,19 @@ def test_compute_queued_ahead_makes_recompute_costlier():
     assert busy.kind == "restore"
     c.compute_finished("other")
     assert c.compute_wait(1e9) == 0
+
+
+def test_read_bandwidth_is_the_paths_throughput_not_one_restores_share():
+    c = AdmissionController(read_bandwidth=Ewma(alpha=1.0, initial=1e9))
+    # four restores of 100 MB issued together; the path delivers 1 GB/s, so they end
+    # 0.1 s apart, each having taken 0.1-0.4 s (a share of 250-1000 MB/s)
+    for _ in range(4):
+        c.restore_issued(100_000_000, now=0.0)
+    for i in range(1, 5):
+        c.restore_finished(100_000_000, 0.1 * i, now=0.1 * i)
+        assert c.read_bandwidth.value == pytest.approx(1e9)
+    assert c.queued_bytes == 0
+    # idle, then one restore alone: its own rate again
+    c.restore_issued(50_000_000, now=10.0)
+    c.restore_finished(50_000_000, 0.1, now=10.1)
+    assert c.read_bandwidth.value == pytest.approx(5e8)
