@@ -209,7 +209,8 @@ class Client:
         if first_block >= len(keys):
             return WriteResult(0, 0, 0, 0.0)
         alloc = await self._meta_call(self._meta.AllocateBlocks, meta_pb2.AllocateBlocksRequest(
-            namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout)))
+            namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout),
+            parent=keys[first_block - 1] if first_block else b""))
         limit = asyncio.Semaphore(self.write_concurrency)
         commit = meta_pb2.CommitBlocksRequest(namespace=_ns(namespace), allocation_id=alloc.allocation_id,
                                               ttl_class=ttl_class)

@@ -12,7 +12,8 @@ A claimant whose bytes fail their checksum releases the claim.
 Hedges add load exactly when servers are slow, so they are rationed: a server
 needs `min_samples` measured reads before it is hedged, and hedges may be at
 most `budget` of the batches issued (the tail-at-scale rule of thumb: a few
-percent of extra reads for most of the tail).
+percent of extra reads for most of the tail). A batch that has waited many p95s
+is re-read past the budget: its server is failing (cut off, stopped), not slow.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class HedgeBudget:
         self.hedges = 0  # batches re-sent to another replica
         self.hedged_chunks = 0
         self.won = 0  # chunks whose hedge answered first
+        self.rescues = 0  # batches re-read past the budget: their server had answered nothing for long
 
     def issued(self) -> None:
         self.batches += 1

@@ -29,6 +29,9 @@ from .transport import ReadSpec, ServerInfo
 
 log = logging.getLogger(__name__)
 
+RESCUE_AFTER = 8  # p95s a batch may wait before its server is given up on for this restore
+RESCUE_MIN = 0.5  # seconds: and never sooner than this
+
 
 @dataclass(slots=True)
 class _Item:
@@ -100,6 +103,7 @@ class Restore:
         self._workers: dict[str, int] = collections.defaultdict(int)
         self._tasks: set[asyncio.Task] = set()
         self.reads_in_flight = 0  # batch reads not yet answered (a hedge's loser may outlive the restore)
+        self._aborted: set[str] = set()  # servers whose stalled reads this restore gave up on
         self._done = asyncio.Event()
         self._started = time.perf_counter()
         items = []
@@ -213,10 +217,26 @@ class Restore:
         if self._left == 0 and self._error is None and self._ready_upto == len(self.layers):
             self._finish()
 
-    def _hedge(self, server: ServerInfo, batch: list[_Item]) -> None:
-        """`batch` has been out on `server` for longer than its p95: ask other replicas."""
-        if self._error is not None or self._done.is_set():
+    def _hedge(self, server: ServerInfo, batch: list[_Item], waited: int = 1) -> None:
+        """`batch` has been out on `server` for `waited` x its p95: ask other replicas.
+
+        Within the budget this trims the tail; the batch is looked at again every
+        p95. Once it has waited RESCUE_AFTER p95s (and at least RESCUE_MIN seconds)
+        the server is failing (cut off, stopped), not slow: this restore gives up on
+        its reads in flight there (the transport drops its connections to it, which
+        also releases ranges those reads had begun to receive), and they are read
+        from other replicas instead of waiting for the transport's stall timeout."""
+        if self._error is not None or self._done.is_set() or all(it.done for it in batch):
             return
+        latency, budget = self._hedging
+        if waited >= RESCUE_AFTER:
+            if server.address not in self._aborted:
+                self._aborted.add(server.address)
+                budget.rescues += 1
+                self._transport_for(server).abort(server)
+        else:
+            step = max(latency.p95(server.address) or 0.0, RESCUE_MIN / RESCUE_AFTER)
+            asyncio.get_running_loop().call_later(step, self._hedge, server, batch, waited + 1)
         by_server: dict[str, tuple[ServerInfo, list[_Item]]] = {}
         for it in batch:
             if it.done or it.reading > 1 or it.spec.fence is None:
@@ -225,6 +245,8 @@ class Restore:
             if others:
                 other = min(others, key=lambda s: (self._load[s.address], it.replicas.index(s)))
                 by_server.setdefault(other.address, (other, []))[1].append(it)
+        if not by_server:
+            return
         # what still waits in the slow server's queue goes to other replicas instead
         queue, kept = self._queues[server.address], collections.deque()
         while queue:
@@ -236,13 +258,13 @@ class Restore:
                 kept.append(it)
         queue.extend(kept)
         for other, items in by_server.values():
-            if not self._hedging[1].take():
-                return
+            if waited < RESCUE_AFTER and not budget.take():
+                return  # over budget: looked at again in a p95
             for it in items:
                 it.reading += 1
                 self._load[other.address] += it.read_length
             self.stats.hedges += len(items)
-            self._hedging[1].hedged_chunks += len(items)
+            budget.hedged_chunks += len(items)
             self._spawn(self._read_batch(other, items, hedge=True))
 
     def _advance(self) -> None:

@@ -91,6 +91,10 @@ class Transport(Protocol):
 
     async def close(self) -> None: ...
 
+    def abort(self, server: ServerInfo) -> None:
+        """Gives up on what is in flight to `server` (it stopped answering): those
+        reads fail, and ranges they were receiving are released to other readers."""
+
 
 def is_local(address: str) -> bool:
     """Whether host:port names this host (loopback, or one of its own addresses)."""
@@ -136,6 +140,9 @@ class GrpcTransport:
 
     async def close(self) -> None:
         pass
+
+    def abort(self, server) -> None:
+        pass  # a gRPC read claims its ranges only once its whole message is in: nothing to release
 
 
 @dataclass(slots=True)
@@ -291,6 +298,8 @@ class _Connection:
                 self.dead = err
             pending, self.pending = self.pending, {}
         for p in pending.values():
+            for spec in p.specs:  # a range this connection was receiving may now go to another reader
+                spec.release(p)
             self._complete(p, [err] * len(p.specs))
 
     @staticmethod
@@ -323,10 +332,17 @@ class _Connection:
                     code, message = wire.parse_status(h, body)
                     self._complete(p, [from_code(code, f"{message} (from {self.address})")] * len(p.specs))
                     continue
-                results = wire.parse_read_reply(h, body)
-                if len(results) != len(p.specs):
-                    raise wire.WireError(f"{len(results)} results for {len(p.specs)} ranges")
-                self._complete(p, self._place(p, results))
+                try:
+                    results = wire.parse_read_reply(h, body)
+                    if len(results) != len(p.specs):
+                        raise wire.WireError(f"{len(results)} results for {len(p.specs)} ranges")
+                    self._complete(p, self._place(p, results))
+                except BaseException:  # p left `pending` above: _fail would not see it
+                    for spec in p.specs:
+                        spec.release(p)
+                    self._complete(p, [Unavailable(f"data connection to {self.address} lost mid-reply")]
+                                   * len(p.specs))
+                    raise
         except (OSError, wire.WireError, KvfsError, ConnectionError) as err:
             message = err.message if isinstance(err, (wire.WireError, KvfsError)) else str(err)
             if self.dead is None:
@@ -439,6 +455,16 @@ class TcpTransport:
             for c in conns:
                 c.close()
         self._conns.clear()
+
+    def abort(self, server) -> None:
+        conns = self._conns.pop(server.data_address, [])
+        for c in conns:
+            self._regions.pop(id(c), None)
+            # closing joins the receive thread: not on the event loop
+            threading.Thread(target=c.close, name=f"kvfs-abort-{server.data_address}", daemon=True).start()
+        if conns:
+            log.warning("no answer from %s in time; dropped %d data connections to it", server.data_address,
+                        len(conns))
 
 
 class ShmTransport(TcpTransport):

@@ -33,7 +33,9 @@ def _human(n: float) -> str:
 
 def _status_table(status) -> Table:
     table = Table(title=f"kvfs: {status.blocks} blocks, {_human(status.block_bytes)}, replicas {status.replicas}, "
-                        f"{status.chains} chains, {status.open_allocations} open allocations")
+                        f"{status.chains} chains, {status.open_allocations} open allocations",
+                  caption=f"cache {_human(status.cache_bytes)} of {_human(status.cache_capacity_bytes)}; evicted "
+                          f"{status.evicted_blocks}, expired {status.expired_blocks}, stranded {status.stranded_blocks}")
     for col in ("server", "address", "domain", "live", "chunks", "used", "capacity", "heartbeat"):
         table.add_column(col)
     for s in status.servers:

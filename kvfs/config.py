@@ -131,6 +131,12 @@ class MetaserverConfig:
                                        "chunks short of copies re-replicated")
     repair_rate: int = _size(256 * MiB, "re-replication copies at most this many bytes per second")
     max_keys: int = _opt(100_000, "most keys in one MatchPrefix or AllocateBlocks")
+    # choices are metaserver/eviction.py's POLICIES (kvfs/ imports no server; a unit test checks they agree)
+    eviction_policy: str = _opt("lfuda", "which cached blocks capacity eviction drops first, leaves before "
+                                "their parents: lfuda (least frequently used, aged) or lru", ("lfuda", "lru"))
+    evict_high: float = _opt(0.90, "capacity eviction starts when cached blocks would pass this share of "
+                             "the live servers' capacity divided by replicas")
+    evict_low: float = _opt(0.80, "and evicts until cached blocks take this share of it")
     rebuild: bool = _opt(False, "rebuild block metadata from chunkserver inventories after "
                          "servers register (see rebuild_after)")
     rebuild_after: float = _duration(5.0, "with rebuild: wait this long for servers to register")
@@ -147,6 +153,9 @@ class MetaserverConfig:
             raise ValueError("replicas must be at least 1")
         if not 64 * KiB <= self.chunk_size <= 64 * MiB:
             raise ValueError("chunk_size must be between 64KiB and 64MiB")
+        if not 0.0 < self.evict_low <= self.evict_high <= 1.0:
+            raise ValueError(f"watermarks need 0 < evict_low <= evict_high <= 1, got evict_low={self.evict_low} "
+                             f"evict_high={self.evict_high}")
 
     @property
     def ttls(self) -> dict[str, float]:

@@ -83,13 +83,16 @@ def wait_healthy(address: str, timeout: float = 30) -> None:
 
 
 def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
-                 timeout: float = 30, env: dict[str, str] | None = None) -> ServerProcess:
-    """Runs `python -m module args --ready-file ...` and waits for it to serve."""
+                 timeout: float = 30, env: dict[str, str] | None = None, netns: str | None = None) -> ServerProcess:
+    """Runs `python -m module args --ready-file ...` (inside network namespace
+    `netns` when given: `ip netns exec`, as root) and waits for it to serve."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ready = run_dir / f"{name}.addr"
     ready.unlink(missing_ok=True)
     log_path = run_dir / f"{name}.log"
     cmd = [sys.executable, "-m", module, *args, "--ready-file", str(ready)]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]  # execs: the pid is the server's
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
@@ -115,7 +118,7 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
                       failure_domain: str | None = None, capacity: str | None = None,
                       listen: str = "127.0.0.1:0", extra: list[str] | None = None,
                       run_dir: str | os.PathLike | None = None, timeout: float = 30,
-                      env: dict[str, str] | None = None) -> ServerProcess:
+                      env: dict[str, str] | None = None, netns: str | None = None) -> ServerProcess:
     """Starts `kvfs-chunkserver` in its own process; returns once it serves.
 
     Options left None come from the server's own config (environment, TOML, defaults).
@@ -127,12 +130,13 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
             args += [flag, value]
     args += extra or []
     return start_server(server_id, "kvfs.chunkserver", args,
-                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env)
+                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env, netns)
 
 
 def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0", replicas: int | None = None,
                      extra: list[str] | None = None, run_dir: str | os.PathLike | None = None,
-                     timeout: float = 30, env: dict[str, str] | None = None) -> ServerProcess:
+                     timeout: float = 30, env: dict[str, str] | None = None,
+                     netns: str | None = None) -> ServerProcess:
     """Starts `kvfs-metaserver` in its own process; returns once it serves."""
     data_dir = pathlib.Path(data_dir)
     args = ["--data-dir", str(data_dir), "--listen", listen]
@@ -140,7 +144,7 @@ def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0"
         args += ["--replicas", str(replicas)]
     args += extra or []
     return start_server("metaserver", "kvfs.metaserver", args,
-                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env)
+                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env, netns)
 
 
 def meta_status(address: str, timeout: float = 5):

@@ -1,4 +1,5 @@
-"""Background work: TTL and allocation expiry, chunk deletion, orphan GC, rebuild.
+"""Background work: TTL and allocation expiry, capacity eviction, chunk deletion,
+orphan GC, rebuild.
 
 This is the only part of the metaserver that calls chunkservers (through the
 generated stubs; servers never import the client).
@@ -7,7 +8,6 @@ generated stubs; servers never import the client).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 
 import grpc
@@ -38,8 +38,9 @@ class Lifecycle:
     def __init__(self, state: MetaState):
         self.state = state
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._undeleted: dict[str, set[bytes]] = collections.defaultdict(set)  # server id -> chunk ids
         self._lock = asyncio.Lock()
+        self._deleting = asyncio.Lock()  # one delete pass at a time
+        self._passes: set[asyncio.Task] = set()  # prompt passes in flight (the loop keeps weak references)
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -55,32 +56,44 @@ class Lifecycle:
             await ch.close()
 
     def queue_deletes(self, chunks) -> None:
-        for c in chunks:
-            for sid in c.servers:
-                self._undeleted[sid].add(c.chunk_id)
+        self.state.queue_deletes(chunks)
 
     async def _delete_queued(self) -> int:
-        deleted = 0
-        live = self.state.live_servers()
-        for sid in list(self._undeleted):
-            if sid not in live:
-                continue  # retried when it is back; orphan GC also finds them
-            ids = sorted(self._undeleted[sid])
-            stub = self._stub(sid)
-            for i in range(0, len(ids), DELETE_BATCH):
-                batch = ids[i : i + DELETE_BATCH]
-                try:
-                    reply = await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=batch),
-                                                    timeout=RPC_TIMEOUT)
-                except grpc.aio.AioRpcError as err:
-                    log.warning("deleting %d chunks on %s failed (%s); will retry", len(batch), sid, err.code().name)
-                    break
-                deleted += reply.deleted
-                self._undeleted[sid].difference_update(batch)
-            if not self._undeleted[sid]:
-                del self._undeleted[sid]
-        self.state.gc_deleted_chunks += deleted
-        return deleted
+        async with self._deleting:
+            deleted = 0
+            live = self.state.live_servers()
+            for sid in list(self.state.undeleted):
+                if sid not in live:
+                    continue  # retried when it is back; orphan GC also finds them
+                ids = sorted(self.state.undeleted.get(sid, ()))
+                stub = self._stub(sid)
+                for i in range(0, len(ids), DELETE_BATCH):
+                    batch = ids[i : i + DELETE_BATCH]
+                    try:
+                        reply = await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=batch),
+                                                        timeout=RPC_TIMEOUT)
+                    except grpc.aio.AioRpcError as err:
+                        log.warning("deleting %d chunks on %s failed (%s); will retry", len(batch), sid,
+                                    err.code().name)
+                        break
+                    deleted += reply.deleted
+                    self.state.deleted(sid, batch)
+            self.state.gc_deleted_chunks += deleted
+            return deleted
+
+    def delete_soon(self) -> asyncio.Task:
+        """A delete pass now, not at the next round: an eviction's space is wanted by
+        the writes that caused it."""
+        task = asyncio.create_task(self._prompt_pass())
+        self._passes.add(task)
+        task.add_done_callback(self._passes.discard)
+        return task
+
+    async def _prompt_pass(self) -> None:
+        try:
+            await self._delete_queued()
+        except Exception:  # the next round retries
+            log.exception("delete pass failed")
 
     async def _inventory(self, server_id: str):
         """Every chunk on a server, page by page."""
@@ -104,12 +117,14 @@ class Lifecycle:
                     if now - info.created < self.state.cfg.gc_grace:
                         continue
                     if not self.state.is_referenced(info.chunk_id, parse_owner(info.owner), open_chunks, sid):
-                        self._undeleted[sid].add(info.chunk_id)
+                        self.queue_deletes([meta_pb2.StoredChunk(chunk_id=info.chunk_id, length=info.length,
+                                                                 servers=[sid])])
             except grpc.aio.AioRpcError as err:
                 log.warning("listing chunks on %s failed (%s); orphan GC skips it this round", sid, err.code().name)
 
     async def run_once(self) -> meta_pb2.RunLifecycleReply:
-        """One round: expire blocks and allocations, find orphans, delete garbage."""
+        """One round: expire blocks and allocations, evict past the high watermark,
+        find orphans, delete garbage."""
         async with self._lock:
             self.state.refresh_liveness()
             self.state.flush_last_used()
@@ -118,6 +133,7 @@ class Lifecycle:
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(expired)
             self.queue_deletes(abandoned)
+            self.state.make_room()  # capacity may have shrunk (a server left) since the last write
             await self._collect_orphans()
             deleted = await self._delete_queued()
             if expired or n_allocs or deleted:

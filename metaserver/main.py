@@ -38,8 +38,9 @@ async def serve(cfg: MetaserverConfig) -> None:
     address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d", address, cfg.data_dir,
-             cfg.replicas, cfg.chunk_size)
+    log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%",
+             address, cfg.data_dir, cfg.replicas, cfg.chunk_size, cfg.eviction_policy, 100 * cfg.evict_high,
+             100 * cfg.evict_low)
     write_ready_file(cfg.ready_file, address)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
              asyncio.create_task(repairer.run_forever())]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvfs.errors import InvalidArgument
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -9,6 +11,11 @@ from kvfs.rpc import handles_errors
 
 from .lifecycle import Lifecycle, parse_owner
 from .state import MetaState
+
+# After an eviction, how long a writer's call waits for the deletes to reach the
+# chunkservers: its chunk writes should find the space free there, not only in
+# metadata. Bounded, so a slow server cannot hold up writes.
+DELETE_WAIT = 5.0
 
 
 def namespace_digest(msg: meta_pb2.Namespace) -> bytes:
@@ -36,14 +43,24 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             self.lifecycle.queue_deletes(dropped)
         return meta_pb2.HeartbeatReply(register_again=not known)
 
+    async def _free_evicted(self, evicted_before: int) -> None:
+        if self.state.evicted_blocks != evicted_before:
+            await asyncio.wait({self.lifecycle.delete_soon()}, timeout=DELETE_WAIT)
+
     @handles_errors
     async def AllocateBlocks(self, request, context):
-        return self.state.allocate(namespace_digest(request.namespace), list(request.keys), request.layout)
+        evicted = self.state.evicted_blocks
+        reply = self.state.allocate(namespace_digest(request.namespace), list(request.keys), request.layout,
+                                    request.parent)
+        await self._free_evicted(evicted)
+        return reply
 
     @handles_errors
     async def CommitBlocks(self, request, context):
+        evicted = self.state.evicted_blocks
         committed, already, garbage = self.state.commit(namespace_digest(request.namespace), request)
         self.lifecycle.queue_deletes(garbage)
+        await self._free_evicted(evicted)
         return meta_pb2.CommitBlocksReply(committed=committed, already_present=already)
 
     @handles_errors
@@ -58,7 +75,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      replicas=st.cfg.replicas, chains=len(st.chains),
                                      open_allocations=len(st.allocations), expired_blocks=st.expired_blocks,
                                      gc_deleted_chunks=st.gc_deleted_chunks, blocks_lost=st.blocks_lost,
-                                     replicas_lost=st.replicas_lost)
+                                     replicas_lost=st.replicas_lost, evicted_blocks=st.evicted_blocks,
+                                     stranded_blocks=st.stranded_blocks, cache_bytes=st.policy.used_bytes,
+                                     cache_capacity_bytes=st.capacity_bytes())
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

@@ -97,14 +97,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, register_again: _Optional[bool] = ...) -> None: ...
 
 class AllocateBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "layout")
+    __slots__ = ("namespace", "keys", "layout", "parent")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     layout: BlockLayout
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class ChunkPlacement(_message.Message):
     __slots__ = ("chunk_id", "offset", "length", "servers", "addresses")
@@ -251,7 +253,7 @@ class ServerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost")
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,10 @@ class StatusReply(_message.Message):
     GC_DELETED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_LOST_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_LOST_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STRANDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     blocks: int
     block_bytes: int
@@ -272,7 +278,11 @@ class StatusReply(_message.Message):
     gc_deleted_chunks: int
     blocks_lost: int
     replicas_lost: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ...) -> None: ...
+    evicted_blocks: int
+    stranded_blocks: int
+    cache_bytes: int
+    cache_capacity_bytes: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class RebuildRequest(_message.Message):
     __slots__ = ()
@@ -317,32 +327,36 @@ class StoredChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
-    __slots__ = ("layout", "chunks", "ttl_class", "created", "last_used")
+    __slots__ = ("layout", "chunks", "ttl_class", "created", "last_used", "parent")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     layout: BlockLayout
     chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
     ttl_class: str
     created: float
     last_used: float
-    def __init__(self, layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., ttl_class: _Optional[str] = ..., created: _Optional[float] = ..., last_used: _Optional[float] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., ttl_class: _Optional[str] = ..., created: _Optional[float] = ..., last_used: _Optional[float] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class AllocationRecord(_message.Message):
-    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout")
+    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     expires_at: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
     layout: BlockLayout
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address")

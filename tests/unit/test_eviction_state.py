@@ -1,0 +1,255 @@
+"""Capacity eviction in MetaState, in-process with a fake clock: RocksDB on disk, no sockets.
+
+Every block here is one 256-byte chunk, which a chunkserver stores in a 64 KiB
+slot; three servers of 2 MiB with two replicas hold 48 such blocks, so the
+high watermark (90%) is at 43.2 blocks and the low one (80%) at 38.4.
+"""
+
+import dataclasses
+
+import pytest
+
+from kvfs.config import MetaserverConfig
+from kvfs.keys import Namespace, block_keys
+from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
+from kvfs.metaserver.state import MetaState
+from kvfs.proto import meta_pb2
+
+NS = Namespace("t", "evict")
+LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
+BLOCK = 64 * 1024  # the slot each block's one chunk takes
+SYSTEM = list(range(16))  # a 4-block prefix every conversation shares
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def make_state(tmp_path):
+    states = []
+
+    def make(clock, policy=DEFAULT_POLICY, register=True):
+        cfg = MetaserverConfig(data_dir=str(tmp_path / "meta"), chunk_size=64 * 1024, heartbeat_timeout=1e9,
+                               ttl_classes="short=10s,chat=7d", eviction_policy=policy)
+        state = MetaState(cfg, clock)
+        for i in range(3 if register else 0):
+            state.register(meta_pb2.RegisterRequest(server_id=f"cs-{i}", address=f"127.0.0.1:{9000 + i}",
+                                                    failure_domain=f"host-{i}", capacity_bytes=2 << 20))
+        states.append(state)
+        return state
+
+    yield make
+    for s in states:
+        try:
+            s.close()
+        except Exception:
+            pass
+
+
+def conversation(i: int) -> list[bytes]:
+    return block_keys(NS, SYSTEM + [1000 * i + j for j in range(16)], 4)
+
+
+def write(state, keys, first=0, ttl_class="chat"):
+    """What Client.write does: allocate keys[first:] (naming the block before them), commit all."""
+    alloc = state.allocate(NS.digest, keys[first:], LAYOUT_MSG, keys[first - 1] if first else b"")
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class=ttl_class)
+    for b in alloc.blocks:
+        if not b.already_present:
+            req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
+    return state.commit(NS.digest, req) if req.blocks else (0, len(alloc.blocks), [])
+
+
+def serve(state, keys, ttl_class="chat"):
+    """A request: look up its prefix, write back what was missing."""
+    matched = state.match(NS.digest, keys).matched
+    return write(state, keys, matched, ttl_class)
+
+
+def stored_parents(state) -> dict[bytes, bytes]:
+    """Every block record in RocksDB: full key -> its parent's full key (b"" for a root)."""
+    out = {}
+    for key, raw in state.db.items():
+        if key[:1] == b"b":
+            rec = meta_pb2.BlockRecord.FromString(raw)
+            out[key[1:]] = NS.digest + rec.parent if rec.parent else b""
+    return out
+
+
+def assert_prefix_closed(state):
+    parents = stored_parents(state)
+    assert set(parents) == set(state.blocks) == set(state.policy.blocks)
+    assert all(p == b"" or p in parents for p in parents.values()), "a cached block lost its parent"
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low_one(make_state, policy):
+    clock = Clock()
+    state = make_state(clock, policy)
+    assert state.capacity_bytes() == 48 * BLOCK
+    for i in range(9):  # 4 + 9 * 4 = 40 blocks: under the high watermark
+        clock.now = 1000 + i
+        assert serve(state, conversation(i))[0] == (8 if i == 0 else 4)
+    assert state.evicted_blocks == 0 and state.policy.used_bytes == 40 * BLOCK
+    clock.now = 1009.5
+    assert state.match(NS.digest, conversation(0)).matched == 8  # the oldest conversation, used again
+    chosen = []
+    victims = state.policy.victims
+    state.policy.victims = lambda *a, **kw: chosen.extend(victims(*a, **kw)) or chosen
+    clock.now = 1010
+    assert serve(state, conversation(9))[0] == 4  # 44 blocks would pass 43.2: eviction, not failure
+    # down to the low watermark (38.4 blocks) with the incoming ones counted: 6 blocks go,
+    # the least recently used leaves first, each block after its children
+    c1, c2 = conversation(1), conversation(2)
+    assert chosen == [NS.digest + k for k in (c1[7], c1[6], c1[5], c1[4], c2[7], c2[6])]
+    assert state.evicted_blocks == 6
+    assert state.policy.used_bytes == 38 * BLOCK <= 0.8 * state.capacity_bytes()
+    assert_prefix_closed(state)
+    queued = {cid for q in state.undeleted.values() for cid in q}
+    assert len(queued) == 6  # their chunks wait for the lifecycle's delete pass
+    assert state.match(NS.digest, conversation(0)).matched == 8  # recently matched: kept
+    assert state.match(NS.digest, conversation(1)).matched == 4  # only the shared system prompt is left
+    assert state.match(NS.digest, conversation(2)).matched == 6
+    assert state.match(NS.digest, conversation(9)).matched == 8
+
+
+def test_expiry_of_a_parent_drops_its_descendants_and_their_pending_commits(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = conversation(0)
+    write(state, keys[:4], ttl_class="short")
+    write(state, keys, 4, ttl_class="chat")  # longer-lived children of a short-lived prefix
+    other = block_keys(NS, list(range(100, 116)), 4)
+    write(state, other)
+    pending = state.allocate(NS.digest, block_keys(NS, SYSTEM + [5] * 4, 4)[4:], LAYOUT_MSG, keys[3])
+    clock.now += 11
+    garbage = state.expire_blocks()
+    assert len(garbage) == 4  # the expired blocks' chunks, for the caller to delete
+    assert (state.expired_blocks, state.stranded_blocks) == (4, 4)
+    assert len({cid for q in state.undeleted.values() for cid in q}) == 4  # the descendants' chunks, queued
+    assert state.match(NS.digest, keys).matched == 0 and state.match(NS.digest, other).matched == 4
+    assert set(state.policy.blocks) == {NS.digest + k for k in other}
+    assert_prefix_closed(state)
+    # a write that allocated under the expired prefix: nothing could reach its block, so it is not kept
+    req = meta_pb2.CommitBlocksRequest(allocation_id=pending.allocation_id)
+    req.blocks.add(key=pending.blocks[0].key, chunk_checksums=[7])
+    committed, already, garbage = state.commit(NS.digest, req)
+    assert (committed, already) == (0, 0) and {c.chunk_id for c in garbage} == {pending.blocks[0].chunks[0].chunk_id}
+    assert_prefix_closed(state)
+
+
+def test_a_lost_block_takes_its_descendants_along(make_state):
+    state = make_state(Clock())
+    keys = conversation(0)
+    write(state, keys)
+    garbage = state.drop_lost_blocks([NS.digest + keys[5]])
+    assert len(garbage) == 1 and (state.blocks_lost, state.stranded_blocks) == (1, 2)
+    assert state.match(NS.digest, keys).matched == 5
+    assert_prefix_closed(state)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_reload_rebuilds_the_same_cached_set_and_keeps_evicting_leaves_first(make_state, policy):
+    clock = Clock()
+    state = make_state(clock, policy)
+    for i in range(12):
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+    assert state.evicted_blocks > 0
+    before = {k: b.parent for k, b in state.policy.blocks.items()}
+    used = state.policy.used_bytes
+    state.close()
+    state = make_state(clock, policy, register=False)  # servers come back from the database
+    assert {k: b.parent for k, b in state.policy.blocks.items()} == before
+    assert state.policy.used_bytes == used and state.capacity_bytes() == 48 * BLOCK
+    for i in range(12, 20):
+        clock.now = 1000 + i
+        assert serve(state, conversation(i))[0] == 4
+        assert state.policy.used_bytes <= 0.9 * state.capacity_bytes()
+    assert state.match(NS.digest, conversation(19)).matched == 8
+    assert_prefix_closed(state)
+
+
+def test_at_load_blocks_without_their_parent_are_dropped_and_old_records_are_roots(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = conversation(0)
+    write(state, keys)
+    # a record from before parents were kept: the block is a root to eviction
+    legacy = block_keys(NS, list(range(200, 204)), 4)[0]
+    rec = meta_pb2.BlockRecord.FromString(state.db[b"b" + NS.digest + keys[0]])
+    rec.ClearField("parent")
+    state.db[b"b" + NS.digest + legacy] = rec.SerializeToString()
+    del state.db[b"b" + NS.digest + keys[5]]  # as if a crash had lost one block and not its children
+    state.close()
+    state = make_state(clock, register=False)
+    assert state.stranded_blocks == 2  # keys[6] and keys[7], unreachable
+    assert set(state.policy.blocks) == {NS.digest + k for k in [*keys[:5], legacy]}
+    assert state.policy.blocks[NS.digest + legacy].parent is None
+    assert len({cid for q in state.undeleted.values() for cid in q}) == 2
+    assert_prefix_closed(state)
+
+
+def test_placement_counts_queued_deletes_as_free_until_a_heartbeat_shows_them_gone(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    for i in range(9):
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+    for sid, s in state.servers.items():  # every disk reported full
+        state.heartbeat(meta_pb2.HeartbeatRequest(server_id=sid, used_bytes=s.record.capacity_bytes))
+    assert all(state.free_bytes(s) == 0 for s in state.servers.values())
+    clock.now = 1010
+    assert serve(state, conversation(9))[0] == 4  # evicts; placed on the space being freed
+    freeing = {sid: sum(q.values()) for sid, q in state.undeleted.items()}
+    assert sum(freeing.values()) == 6 * 2 * 256
+    for sid, s in state.servers.items():
+        assert s.freeing_bytes == freeing.get(sid, 0)
+        state.deleted(sid, list(state.undeleted.get(sid, {})))  # the lifecycle's delete pass
+        assert s.freeing_bytes == freeing.get(sid, 0)  # still counted until a heartbeat reports it
+        state.heartbeat(meta_pb2.HeartbeatRequest(server_id=sid, used_bytes=s.record.capacity_bytes // 2))
+        assert s.freeing_bytes == 0
+    assert state.undeleted == {}
+
+
+def test_open_allocations_pin_their_parents(make_state):
+    clock = Clock()
+    state = make_state(clock, "lru")
+    keys = conversation(0)
+    write(state, keys[:4])
+    clock.now += 1
+    # a writer allocated the rest of the prompt under keys[3] and has not committed yet
+    alloc = state.allocate(NS.digest, keys[4:], LAYOUT_MSG, keys[3])
+    for i in range(1, 12):
+        clock.now += 1
+        write(state, block_keys(NS, [i] * 16, 4))
+    assert state.evicted_blocks > 0 and NS.digest + keys[3] in state.policy
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks:
+        req.blocks.add(key=b.key, chunk_checksums=[7])
+    assert state.commit(NS.digest, req)[0] == 4
+    assert state.match(NS.digest, keys).matched == 8
+    assert_prefix_closed(state)
+
+
+def test_config_choices_are_the_policies():
+    field = {f.name: f for f in dataclasses.fields(MetaserverConfig)}["eviction_policy"]
+    assert set(field.metadata["choices"]) == set(POLICIES)
+    assert MetaserverConfig().eviction_policy == DEFAULT_POLICY
+    with pytest.raises(ValueError, match="evict_low"):
+        MetaserverConfig(evict_high=0.5, evict_low=0.7)
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        MetaserverConfig(eviction_policy="fifo")
+
+
+def test_a_parent_that_is_not_a_key_is_refused(make_state):
+    from kvfs.errors import InvalidArgument
+
+    state = make_state(Clock())
+    with pytest.raises(InvalidArgument, match="parent must be a 16-byte block key"):
+        state.allocate(NS.digest, conversation(0)[1:], LAYOUT_MSG, b"short")
