@@ -163,6 +163,33 @@ def _plot(path: str | None, results: list[dict], title: str) -> None:
         console.print(f"wrote {path}")
 
 
+def _faults(args) -> int:
+    from .faults import run_faults
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    console.print(f"kvfs-bench faults: {args.gib} GiB of MLA prompts on {args.chunkservers} local chunkservers, "
+                  f"{args.concurrency} restore workers; one chunkserver SIGKILLed after {args.steady}s")
+    try:
+        report = asyncio.run(run_faults(root, args.chunkservers, args.gib, args.prompt_blocks, args.concurrency,
+                                        args.steady, log=console.print))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table(title=f"restores of {report['prompt_blocks']}-block prompts while cs-1 dies (seconds)")
+    for col in ("window", "restores", "failed", "p50", "p99", "max"):
+        table.add_column(col, justify="right")
+    for name, w in report["windows"].items():
+        table.add_row(name, str(w["count"]), str(w["failed"]), f"{w.get('p50', 0):.3f}", f"{w.get('p99', 0):.3f}",
+                      f"{max(w.get('p999', 0), w.get('p99', 0)):.3f}")
+    console.print(table)
+    console.print(f"detected after {report['detect_s']:.1f}s; every chunk on 2 live servers after "
+                  f"{report['replicated_s']:.1f}s; p99 during the fault / steady p99: "
+                  f"{report['p99_fault_over_steady'] or 0:.2f}")
+    _write_json(args.json, {"bench": "faults", **_host(), "config": {
+        "gib": args.gib, "chunkservers": args.chunkservers, "prompt_blocks": args.prompt_blocks,
+        "concurrency": args.concurrency, "steady_s": args.steady}, "results": report})
+    return 0
+
+
 @contextlib.contextmanager
 def _cluster(args):
     """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here."""
@@ -322,12 +349,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="with --simulate: cache sizes in blocks, or in %% of the trace's unique blocks")
     trace.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
     trace.add_argument("--chunkservers", type=int, default=3)
-    for p in (io, prefix, ttft, restore, trace):
+    faults = sub.add_parser("faults", help="restores while a chunkserver is killed; detection and re-replication")
+    faults.add_argument("--gib", type=float, default=1.0, help="GiB of blocks written first")
+    faults.add_argument("--chunkservers", type=int, default=4)
+    faults.add_argument("--prompt-blocks", type=int, default=16)
+    faults.add_argument("--concurrency", type=int, default=4)
+    faults.add_argument("--steady", type=float, default=10.0, help="seconds of restores before the kill")
+    for p in (io, prefix, ttft, restore, trace, faults):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
-    return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace}[args.cmd](args)
+    return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
+            "faults": _faults}[args.cmd](args)
 
 
 if __name__ == "__main__":

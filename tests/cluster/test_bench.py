@@ -127,3 +127,14 @@ def test_trace_simulate_runs_the_eviction_policies_alone(tmp_path):
     for r in summary["results"]:
         assert 0 < r["token_hit_ratio"] <= summary["infinite"]["token_hit_ratio"]
     assert "infinite" in stdout
+
+
+def test_faults_bench_reports_windows_detection_and_re_replication(tmp_path):
+    report, stdout = run(["faults", "--gib", "0.03", "--chunkservers", "3", "--prompt-blocks", "2",
+                          "--concurrency", "2", "--steady", "1"], tmp_path)
+    r = report["results"]
+    assert r["prompts"] >= 1 and 0 < r["detect_s"] <= r["replicated_s"]
+    assert set(r["windows"]) == {"steady", "kill_to_detect", "detect_to_replicated", "after"}
+    assert r["windows"]["steady"]["count"] > 0 and r["windows"]["steady"]["failed"] == 0
+    assert r["windows"]["after"]["failed"] == 0  # healed: every restore succeeds again
+    assert "detected after" in stdout
