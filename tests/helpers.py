@@ -5,6 +5,16 @@ from __future__ import annotations
 import time
 
 
+class Clock:
+    """A settable clock for servers' logic run in-process (MetaState(cfg, clock))."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
     """Polls `condition` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout

@@ -6,14 +6,16 @@ high watermark (90%) is at 43.2 blocks and the low one (80%) at 38.4.
 """
 
 import dataclasses
+import functools
 
 import pytest
 
 from kvfs.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
-from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
+
+from helpers import Clock
 
 NS = Namespace("t", "evict")
 LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
@@ -21,34 +23,11 @@ BLOCK = 64 * 1024  # the slot each block's one chunk takes
 SYSTEM = list(range(16))  # a 4-block prefix every conversation shares
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
 
 @pytest.fixture
-def make_state(tmp_path):
-    states = []
-
-    def make(clock, policy=DEFAULT_POLICY, register=True):
-        cfg = MetaserverConfig(data_dir=str(tmp_path / "meta"), chunk_size=64 * 1024, heartbeat_timeout=1e9,
-                               ttl_classes="short=10s,chat=7d", eviction_policy=policy)
-        state = MetaState(cfg, clock)
-        for i in range(3 if register else 0):
-            state.register(meta_pb2.RegisterRequest(server_id=f"cs-{i}", address=f"127.0.0.1:{9000 + i}",
-                                                    failure_domain=f"host-{i}", capacity_bytes=2 << 20))
-        states.append(state)
-        return state
-
-    yield make
-    for s in states:
-        try:
-            s.close()
-        except Exception:
-            pass
+def make_state(make_state):
+    # small servers: a few dozen blocks fill them
+    return functools.partial(make_state, capacity=2 << 20)
 
 
 def conversation(i: int) -> list[bytes]:

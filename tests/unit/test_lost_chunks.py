@@ -1,35 +1,11 @@
 """MetaState.chunks_lost: a chunkserver reports chunks it removed as corrupt."""
 
-import pytest
 
-from kvfs.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
-from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 
 NS = Namespace("t", "lost")
 LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8192, dtype="bfloat16")  # 256 KiB blocks
-
-
-@pytest.fixture
-def make_state(tmp_path):
-    states = []
-
-    def make():
-        cfg = MetaserverConfig(data_dir=str(tmp_path / "meta"), chunk_size=64 * 1024, heartbeat_timeout=1e9)
-        state = MetaState(cfg, lambda: 1000.0)
-        for i in range(3):
-            state.register(meta_pb2.RegisterRequest(server_id=f"cs-{i}", address=f"127.0.0.1:{9000 + i}",
-                                                    failure_domain=f"host-{i}", capacity_bytes=1 << 30))
-        states.append(state)
-        return state
-
-    yield make
-    for s in states:
-        try:
-            s.close()
-        except Exception:
-            pass
 
 
 def committed(state, n):

@@ -9,40 +9,11 @@ from kvfs.layout import BlockLayout
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 
+from helpers import Clock
+
 NS = Namespace("t", "m")
 LAYOUT = BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
 LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def make_state(tmp_path):
-    states = []
-
-    def make(clock=None, **kw):
-        kw.setdefault("heartbeat_timeout", 1e9)  # servers stay live unless a test says otherwise
-        cfg = MetaserverConfig(data_dir=str(tmp_path / "meta"), chunk_size=64 * 1024,
-                               ttl_classes="short=10s,chat=7d", **kw)
-        state = MetaState(cfg, clock or Clock())
-        for i in range(3):
-            state.register(meta_pb2.RegisterRequest(server_id=f"cs-{i}", address=f"127.0.0.1:{9000 + i}",
-                                                    failure_domain=f"host-{i}", capacity_bytes=1 << 30))
-        states.append(state)
-        return state
-
-    yield make
-    for s in states:
-        try:
-            s.close()
-        except Exception:
-            pass
 
 
 def write(state, keys, ttl_class="chat"):
