@@ -34,7 +34,7 @@ from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)
 
-COPIES_IN_FLIGHT = 4
+COPIES_IN_FLIGHT = 4  # 16 halves the time to full replication here but doubles restore p99 meanwhile
 
 
 class Repairer:
