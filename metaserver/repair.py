@@ -11,11 +11,13 @@ One round (every `repair_interval`):
      ones: a live server without a copy (another failure domain first, then the
      most free space) pulls it from a live holder (CopyChunk), which verifies it
      on the way; the block then lists the live holders and the new copies;
-  3. a block with a chunk no live server holds is dropped (it is a cache: the
-     next request recomputes it) and counted.
+  3. a block with a chunk no live server holds, for two heartbeat timeouts while
+     at least `replicas` servers are live, is dropped (it is a cache: the next
+     request recomputes it) and counted.
 Copies are paced to `repair_rate` bytes/s so that restores keep the disks and
-network, and none start in the first rounds after the metaserver starts, while
-servers are still checking in.
+network, and stop when a server comes back (it is reconciled first; it may hold
+them). Nothing is repaired in the first rounds after the metaserver starts, or
+after it stalled past a heartbeat timeout, while servers are still checking in.
 """
 
 from __future__ import annotations
@@ -46,22 +48,49 @@ class Repairer:
         self.copied_bytes = 0
         self.failed_copies = 0
         self.under_replicated = 0  # chunks short of copies at the last round's start
+        self.last_round = self.started
+        self._lost_since: dict[bytes, float] = {}  # block -> when it was first seen with a chunk nobody holds
         self._lock = asyncio.Lock()
 
     async def run_once(self) -> None:
         async with self._lock:
-            for sid in self.state.to_reconcile():
-                await self._reconcile(sid)
-            # after a metaserver restart every server has a heartbeat timeout to check in;
-            # before that, silence means nothing
-            if self.state.clock() - self.started < 2 * self.state.cfg.heartbeat_timeout:
-                return
-            self.state.refresh_liveness()
-            repairs, lost = self.state.under_replicated()
-            self.lifecycle.queue_deletes(self.state.drop_lost_blocks(lost))
-            self.under_replicated = len(repairs)
-            if repairs:
-                await self._copy_all(repairs)
+            try:
+                await self._round()
+            finally:
+                self.last_round = self.state.clock()
+
+    async def _round(self) -> None:
+        now = self.state.clock()
+        timeout = self.state.cfg.heartbeat_timeout
+        if now - self.last_round > max(timeout, 2 * self.state.cfg.repair_interval):
+            # this process stalled (or slept) past a heartbeat timeout since the last
+            # round ended: the servers' heartbeats wait to be handled, so their silence
+            # means nothing yet
+            log.warning("repair: %.1fs since the last round; waiting for heartbeats first", now - self.last_round)
+            self.started = now
+        for sid in self.state.to_reconcile():
+            await self._reconcile(sid)
+        # after a start (or a stall) every server has heartbeat timeouts to check in
+        if now - self.started < 2 * timeout:
+            return
+        self.state.refresh_liveness()
+        repairs, lost = self.state.under_replicated()
+        self.lifecycle.queue_deletes(self.state.drop_lost_blocks(self._lost_for_good(lost, now)))
+        self.under_replicated = len(repairs)
+        if repairs:
+            await self._copy_all(repairs)
+
+    def _lost_for_good(self, lost: list[bytes], now: float) -> list[bytes]:
+        """Of the blocks with a chunk no live server holds, those that have been so for
+        two heartbeat timeouts, while at least `replicas` servers are live. Everything
+        looking lost at once is likelier this metaserver's trouble than the disks'."""
+        self._lost_since = {k: self._lost_since.get(k, now) for k in lost}
+        if lost and len(self.state.live_servers()) < self.state.cfg.replicas:
+            log.warning("repair: %d blocks have no live copy of a chunk, but fewer than %d servers are live; "
+                        "not dropping them", len(lost), self.state.cfg.replicas)
+            return []
+        grace = 2 * self.state.cfg.heartbeat_timeout
+        return [k for k, since in self._lost_since.items() if now - since >= grace]
 
     async def run_forever(self) -> None:
         while True:
@@ -96,6 +125,8 @@ class Repairer:
         async def one(r: Repair) -> None:
             nonlocal moved
             async with slots:
+                if self.state.to_reconcile():
+                    return  # a server is back: reconcile it first (it may hold these chunks), then recount
                 moved += await self._copy(r)
                 # pace: never ahead of repair_rate since the round began
                 ahead = moved / self.state.cfg.repair_rate - (loop.time() - t0)

@@ -59,3 +59,29 @@ async def test_dead_server_is_detected_re_replicated_and_reconciled_on_return(lo
         out, _, _ = await restore_all(client, m, MLA)
         assert bytes(out) == payload
         print(f"saw: cs-1 back with its {on_victim} stale copies deleted before it served; restores exact")
+
+
+async def test_a_metaserver_stall_past_the_heartbeat_timeout_drops_nothing(local_cluster):
+    import signal
+
+    cluster = local_cluster(chunkservers=3, replicas=2)
+    tokens = tokens_for(8, seed=33)
+    payload = os.urandom(MLA.buffer_bytes(8 * 64))
+    async with Client(cluster.meta_address) as client:
+        await client.write(NS, tokens, payload, MLA)
+        os.kill(cluster.meta.pid, signal.SIGSTOP)
+        time.sleep(3.5)  # the fault itself: longer than the 3 s heartbeat timeout
+        os.kill(cluster.meta.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        print("injected: SIGSTOP the metaserver for 3.5 s (heartbeat timeout 3 s)")
+        # every server looked silent when it woke up; give repair rounds past the grace (2 timeouts)
+        cluster.wait_live(3, timeout=30)
+        await until(lambda: time.monotonic() - resumed > 8, 15, "repair rounds past the grace period")
+        match = await client.lookup(NS, tokens)
+        assert match.matched == 8, "blocks were dropped because the metaserver itself stalled"
+        status = await client.status()
+        assert status.blocks_lost == 0 and status.blocks == 8
+        out, _, _ = await restore_all(client, match, MLA)
+        assert bytes(out) == payload
+        assert "waiting for heartbeats first" in cluster.meta.log_path.read_text()
+        print("saw: all 8 blocks kept and exact; repair waited for the heartbeats")
