@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvfs.config import MetaserverConfig
+from kvfs.chunkserver.store import ChunkStore
+from kvfs.config import ChunkserverConfig, MetaserverConfig
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 
@@ -32,6 +33,25 @@ def make_state(tmp_path):
 
     yield make
     for s in states:
+        try:
+            s.close()
+        except Exception:
+            pass
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def make_store(tmp_path, request):
+    """Factory: make_store(**config) -> a ChunkStore in tmp_path, once per I/O mode."""
+    stores = []
+
+    def make(**kw):
+        kw.setdefault("io_mode", request.param)
+        store = ChunkStore(ChunkserverConfig(data_dir=str(tmp_path / "cs"), capacity=1 << 30, **kw))
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
         try:
             s.close()
         except Exception:

@@ -6,8 +6,7 @@ import grpc
 import pytest
 
 from kvfs.chunkserver.scrub import PIECE, Pacer, Scrubber
-from kvfs.chunkserver.store import ChunkStore, checksum
-from kvfs.config import ChunkserverConfig
+from kvfs.chunkserver.store import checksum
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -40,23 +39,6 @@ class RecordingPacer(Pacer):
     def delay(self, nbytes):
         self.booked.append(nbytes)
         return 0
-
-
-@pytest.fixture(params=["direct", "buffered"])
-def make_store(tmp_path, request):
-    stores = []
-
-    def make():
-        store = ChunkStore(ChunkserverConfig(data_dir=str(tmp_path / "cs"), capacity=1 << 30, io_mode=request.param))
-        stores.append(store)
-        return store
-
-    yield make
-    for s in stores:
-        try:
-            s.close()
-        except Exception:
-            pass
 
 
 def flip(store, chunk_id, at):

@@ -14,24 +14,6 @@ from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["direct", "buffered"])
-def make_store(tmp_path, request):
-    stores = []
-
-    def make(**kw):
-        kw.setdefault("io_mode", request.param)
-        store = ChunkStore(ChunkserverConfig(data_dir=str(tmp_path / "cs"), capacity=1 << 30, **kw))
-        stores.append(store)
-        return store
-
-    yield make
-    for s in stores:
-        try:
-            s.close()
-        except Exception:
-            pass
-
-
 async def put(store, cid, data, owner=b""):
     return await store.write(cid, data, checksum(data), owner)
 
