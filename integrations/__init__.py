@@ -1,0 +1,1 @@
+"""kvfs.integrations: adapters that plug kvfs into inference engines (see docs/vllm.md)."""

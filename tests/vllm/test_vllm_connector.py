@@ -1,0 +1,250 @@
+"""KvfsConnector in a real vLLM (CPU, tiny random DeepSeek-V2 built here) on a
+real local kvfs cluster: an engine saves a prompt's prefix, a fresh engine
+loads it byte for byte, and corrupted stored bytes make vLLM recompute.
+
+Output equality is no oracle with a random model (a prefix cache can flip
+near-tied tokens); the checks are the bytes, the matched-token count and the
+first token's logprobs (within LOGPROB_TOL of a full recompute)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import time
+
+import pytest
+import torch
+
+from kvfs.client import SyncClient
+from kvfs.keys import Namespace
+
+from helpers import wait_until
+
+LOGPROB_TOL = 0.02
+PROMPT = [(37 * i + 11) % 1000 + 10 for i in range(200)]  # 3 full kvfs blocks + 8 tokens
+MATCHED = 192  # 3 kvfs blocks; also (200 - 1) // 16 * 16, the most vLLM may load
+TENANT = "acme"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,  # no MoE
+                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,
+                           num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=None,  # 512 + 64 = 576
+                           qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                           max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-dsv2")
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(params=[False, True], ids=["in-process", "multiprocess"])
+def multiprocess(request, monkeypatch) -> bool:
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if request.param else "0")
+    # collective_rpc ships the probe functions to the worker process with cloudpickle
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    vllm.envs.disable_envs_cache()  # an in-process engine caches the environment
+    yield request.param
+    vllm.envs.disable_envs_cache()
+
+
+def make_llm(model: str, meta: str):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, attention_backend="CPU_MLA",
+              enable_prefix_caching=False, max_model_len=8192, kv_cache_memory_bytes=64 << 20,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvfsConnector", kv_connector_module_path="kvfs.integrations.vllm",
+                  kv_role="kv_both", kv_load_failure_policy="recompute",
+                  kv_connector_extra_config={"meta": meta, "tenant": TENANT}))
+    print(f"  LLM() in {time.perf_counter() - t0:.1f}s")
+    return llm
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def first_token(llm, prompt=PROMPT):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                       SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)[0]
+    ttft = time.perf_counter() - t0
+    logprobs = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+    return out.outputs[0].token_ids[0], logprobs, out.num_cached_tokens, ttft
+
+
+def worker_probe():
+    """Functions run inside the worker process through collective_rpc (defined in
+    a closure so cloudpickle ships them by value)."""
+
+    def stats(worker):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return dict(get_kv_transfer_group().stats)
+
+    def paged_rows(worker, block_ids):
+        """The paged cache rows of these vLLM blocks, as [layer][tokens][576] bytes."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        c = get_kv_transfer_group()
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        rows = [c.kv_caches[n].index_select(0, idx).reshape(-1, 576) for n in c.layer_names]
+        return torch.stack(rows).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def find_rows(worker, payload: bytes, layers: int, tokens: int, block: int):
+        """How many of the payload's (layer, vLLM block) rows appear somewhere in the paged cache."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        c = get_kv_transfer_group()
+        want = torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).view(layers, tokens // block, block, 576)
+        found = 0
+        for layer, name in enumerate(c.layer_names):
+            kv = c.kv_caches[name].view(torch.int16)
+            for b in range(tokens // block):
+                found += bool((kv == want[layer, b].view(torch.int16)).all(-1).all(-1).any())
+        return found
+
+    return stats, paged_rows, find_rows
+
+
+STATS, PAGED_ROWS, FIND_ROWS = worker_probe()
+
+
+def stored(meta: str, model: str) -> tuple[int, bytes]:
+    """kvfs's own view: matched blocks of PROMPT and their payload bytes, [layer][tokens][576]."""
+    with SyncClient(meta) as client:
+        match = client.lookup(Namespace(TENANT, model), PROMPT)
+        if not match.matched:
+            return 0, b""
+        out = bytearray(match.layout.buffer_bytes(match.tokens))
+        client.read(match, out)
+        return match.matched, bytes(out)
+
+
+def save_then_load(local_cluster, model):
+    cluster = local_cluster(chunkservers=3, replicas=2)
+    meta = cluster.meta_address
+    print(f"cluster at {meta}; prompt of {len(PROMPT)} tokens")
+
+    llm = make_llm(model, meta)
+    tok1, lp1, cached1, ttft1 = first_token(llm)
+    print(f"engine 1 (miss): token {tok1}, num_cached_tokens {cached1}, {ttft1 * 1e3:.0f} ms")
+    assert cached1 == 0
+    blocks = wait_until(lambda: stored(meta, model)[0] == 3 and 3, timeout=30, what="3 blocks saved in kvfs")
+    matched, payload = stored(meta, model)
+    found = llm.collective_rpc(FIND_ROWS, args=(payload, 2, MATCHED, 16))[0]
+    print(f"  kvfs holds {blocks} blocks ({len(payload)} bytes); {found}/24 of their (layer, 16-token) rows are "
+          f"in engine 1's paged cache, byte for byte")
+    assert found == 2 * MATCHED // 16
+    close(llm)
+
+    llm = make_llm(model, meta)
+    tok2, lp2, cached2, ttft2 = first_token(llm)
+    stats = llm.collective_rpc(STATS)[0]
+    loaded = llm.collective_rpc(PAGED_ROWS, args=(stats["loaded_block_ids"],))[0]
+    diff = max(abs(lp1[t] - lp2[t]) for t in lp1.keys() & lp2.keys())
+    print(f"engine 2 (hit): token {tok2}, num_cached_tokens {cached2}, {ttft2 * 1e3:.0f} ms; loaded "
+          f"{stats['loaded_tokens']} tokens / {stats['loaded_bytes']} bytes into blocks {stats['loaded_block_ids']}; "
+          f"max first-token logprob diff {diff:.5f}")
+    assert cached2 == MATCHED
+    assert stats["loaded_tokens"] == MATCHED and stats["load_failed_blocks"] == 0
+    assert loaded == payload, "the paged blocks engine 2 loaded differ from the bytes engine 1 saved"
+    assert lp1.keys() & lp2.keys() and diff <= LOGPROB_TOL
+    close(llm)
+    return cluster, meta, lp1
+
+
+def test_fresh_engine_loads_the_saved_prefix(local_cluster, tiny_model, multiprocess):
+    print(f"multiprocessing {'on' if multiprocess else 'off'}")
+    save_then_load(local_cluster, tiny_model)
+
+
+def flip_in_slots(data_dir: pathlib.Path, chunk: bytes, at: int) -> int:
+    """Flips one byte of `chunk` wherever this server's slot files hold it."""
+    flipped = 0
+    for slot_file in (data_dir / "slots").rglob("*.slots"):
+        with open(slot_file, "r+b") as fh:
+            pos = fh.read().find(chunk[:4096])
+            if pos < 0:
+                continue
+            fh.seek(pos + at)
+            byte = fh.read(1)
+            fh.seek(pos + at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+            fh.flush()
+            os.fsync(fh.fileno())
+        fd = os.open(slot_file, os.O_RDONLY)  # drop cached pages so the servers read the disk
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        flipped += 1
+    return flipped
+
+
+def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm.envs.disable_envs_cache()
+    cluster, meta, lp1 = save_then_load(local_cluster, tiny_model)
+
+    with SyncClient(meta) as client:
+        match = client.lookup(Namespace(TENANT, tiny_model), PROMPT)
+        out = bytearray(match.layout.buffer_bytes(match.tokens))
+        client.read(match, out)
+    # block 1's first chunk, cut out of the layer-major read-back
+    chunk = match.blocks[1].chunks[0]
+    layout = match.layout
+    assert chunk.offset == 0 and chunk.length % layout.layer_bytes == 0
+    stride = match.tokens * layout.row_bytes
+    chunk_bytes = b"".join(out[layer * stride + layout.layer_bytes : layer * stride + 2 * layout.layer_bytes]
+                           for layer in range(chunk.length // layout.layer_bytes))
+    flipped = sum(flip_in_slots(cluster.root / f"cs-{i}", chunk_bytes, 5000) for i in range(3))
+    print(f"injected: flipped a byte of block 1's chunk on {flipped} replicas")
+    assert flipped == 2
+
+    llm = make_llm(tiny_model, meta)
+    tok3, lp3, cached3, ttft3 = first_token(llm)
+    stats = llm.collective_rpc(STATS)[0]
+    diff = max(abs(lp1[t] - lp3[t]) for t in lp1.keys() & lp3.keys())
+    print(f"engine 3 (corrupt): token {tok3}, {stats['load_failed_blocks']} vLLM blocks reported as load errors, "
+          f"loaded {stats['loaded_tokens']} tokens; max first-token logprob diff vs engine 1 {diff:.5f}")
+    assert stats["load_failed_blocks"] > 0 and stats["loaded_tokens"] == 0
+    assert lp1.keys() & lp3.keys() and diff <= LOGPROB_TOL
+    close(llm)
+    vllm.envs.disable_envs_cache()
+
+
+def test_block_size_rule_and_missing_metaserver_are_refused():
+    from types import SimpleNamespace as S
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfs.integrations.vllm import KvfsConnector
+
+    def build(block_size, extra):
+        transfer = KVTransferConfig(kv_connector="KvfsConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+        cfg = S(kv_transfer_config=transfer, cache_config=S(block_size=block_size), model_config=S(model="m"))
+        return KvfsConnector(cfg, KVConnectorRole.SCHEDULER, S(kv_cache_groups=[]))
+
+    with pytest.raises(ValueError, match="64-token blocks, not a multiple of vLLM's block size 128") as err:
+        build(128, {"meta": "127.0.0.1:1"})
+    print(f"block_size 128: {err.value}")
+    with pytest.raises(ValueError, match="metaserver address") as err:
+        build(16, {})
+    print(f"no meta: {err.value}")
