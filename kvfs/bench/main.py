@@ -190,6 +190,33 @@ def _faults(args) -> int:
     return 0
 
 
+def _vllm(args) -> int:
+    from .vllm import run_vllm
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
+    console.print(f"kvfs-bench vllm: a {args.tokens}-token prompt through a real vLLM (CPU, tiny DeepSeek-V2) "
+                  f"with KvfsConnector on {args.chunkservers} local chunkservers: a miss, then a fresh engine's hit")
+    try:
+        report = run_vllm(root, args.tokens, args.chunkservers, log=console.print)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table(title=f"time to first token in vLLM, {args.tokens}-token prompt (seconds, bytes)")
+    for col in ("", "first token s", "tokens from kvfs", "bytes loaded", "worker load s", "worker snapshot s",
+                "scheduler MatchPrefix s"):
+        table.add_column(col, justify="right")
+    for phase in ("miss", "hit"):
+        r = report[phase]
+        table.add_row(phase, f"{r['ttft_s']:.3f}", str(r["num_cached_tokens"]), str(r["bytes_loaded"]),
+                      f"{r['worker_load_s']:.4f}", f"{r['worker_snapshot_s']:.4f}", f"{r['scheduler_lookup_s']:.4f}")
+    console.print(table)
+    console.print(f"hit is {report['speedup']:.1f}x faster; first-token logprobs differ by at most "
+                  f"{report['max_logprob_diff']:.5f}")
+    _write_json(args.json, {"bench": "vllm", **_host(), "config": {"tokens": args.tokens,
+                                                                    "chunkservers": args.chunkservers},
+                            "results": report})
+    return 0
+
+
 @contextlib.contextmanager
 def _cluster(args):
     """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here."""
@@ -355,13 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     faults.add_argument("--prompt-blocks", type=int, default=16)
     faults.add_argument("--concurrency", type=int, default=4)
     faults.add_argument("--steady", type=float, default=10.0, help="seconds of restores before the kill")
-    for p in (io, prefix, ttft, restore, trace, faults):
+    vllm = sub.add_parser("vllm", help="time to first token in a real vLLM with kvfs: miss vs hit (extra vllm)")
+    vllm.add_argument("--tokens", type=int, default=4096)
+    vllm.add_argument("--chunkservers", type=int, default=3)
+    for p in (io, prefix, ttft, restore, trace, faults, vllm):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ first token's logprobs (within LOGPROB_TOL of a full recompute)."""
 
 from __future__ import annotations
 
-import gc
 import os
 import pathlib
 import time
@@ -16,6 +15,8 @@ import time
 import pytest
 import torch
 
+from kvfs.bench import vllm as bench
+from kvfs.bench.vllm import build_tiny_model, close
 from kvfs.client import SyncClient
 from kvfs.keys import Namespace
 
@@ -29,18 +30,7 @@ TENANT = "acme"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    cfg = DeepseekV2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,  # no MoE
-                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,
-                           num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=None,  # 512 + 64 = 576
-                           qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                           max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-dsv2")
-    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-dsv2"))
 
 
 @pytest.fixture(params=[False, True], ids=["in-process", "multiprocess"])
@@ -56,36 +46,14 @@ def multiprocess(request, monkeypatch) -> bool:
 
 
 def make_llm(model: str, meta: str):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
     t0 = time.perf_counter()
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, attention_backend="CPU_MLA",
-              enable_prefix_caching=False, max_model_len=8192, kv_cache_memory_bytes=64 << 20,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvfsConnector", kv_connector_module_path="kvfs.integrations.vllm",
-                  kv_role="kv_both", kv_load_failure_policy="recompute",
-                  kv_connector_extra_config={"meta": meta, "tenant": TENANT}))
+    llm = bench.make_llm(model, meta, TENANT)
     print(f"  LLM() in {time.perf_counter() - t0:.1f}s")
     return llm
 
 
-def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def first_token(llm, prompt=PROMPT):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                       SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)[0]
-    ttft = time.perf_counter() - t0
-    logprobs = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
-    return out.outputs[0].token_ids[0], logprobs, out.num_cached_tokens, ttft
+    return bench.first_token(llm, prompt)
 
 
 def worker_probe():
@@ -248,3 +216,20 @@ def test_block_size_rule_and_missing_metaserver_are_refused():
     with pytest.raises(ValueError, match="metaserver address") as err:
         build(16, {})
     print(f"no meta: {err.value}")
+
+
+def test_vllm_bench_reports_miss_and_hit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([sys.executable, "-m", "kvfs.bench.main", "vllm", "--tokens", "200", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["results"]
+    assert r["miss"]["num_cached_tokens"] == 0 and r["hit"]["num_cached_tokens"] == MATCHED
+    assert r["hit"]["bytes_loaded"] == 2 * MATCHED * 576 * 2  # layers x tokens x 576 x bf16
+    assert r["hit"]["saved_blocks"] == 0 and r["max_logprob_diff"] <= LOGPROB_TOL  # a hit writes nothing again
+    assert abs(r["speedup"] - r["miss"]["ttft_s"] / r["hit"]["ttft_s"]) < 1e-9
+    print(f"saw: kvfs-bench vllm miss {r['miss']['ttft_s']:.3f}s, hit {r['hit']['ttft_s']:.3f}s")

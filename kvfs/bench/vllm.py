@@ -1,0 +1,115 @@
+"""`kvfs-bench vllm`: time to first token in a real vLLM with kvfs as its KV store,
+a miss (computed, then saved) beside a hit (a fresh engine loading the prefix).
+
+Needs the `vllm` extra. Runs vLLM in-process on the CPU (CPU_MLA attention,
+vLLM's own prefix cache off) with a tiny random DeepSeek-V2 built here, on a local
+kvfs cluster. The helpers are shared with tests/vllm.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import time
+
+import torch
+
+KV_DIM = 576
+
+
+def build_tiny_model(path: str | os.PathLike) -> str:
+    """A random 2-layer DeepSeek-V2 (no MoE) whose MLA cache is the real 576 wide
+    (the CPU MLA backends take nothing else), saved in bf16 at `path`."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=2,  # no MoE
+                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,
+                           num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=None,  # 512 + 64 = 576
+                           qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                           max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+def make_llm(model: str, meta: str, tenant: str):
+    """An engine with KvfsConnector on the metaserver `meta` (vLLM's own prefix cache off)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, attention_backend="CPU_MLA",
+               enable_prefix_caching=False, max_model_len=8192, kv_cache_memory_bytes=64 << 20,
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="KvfsConnector", kv_connector_module_path="kvfs.integrations.vllm",
+                   kv_role="kv_both", kv_load_failure_policy="recompute",
+                   kv_connector_extra_config={"meta": meta, "tenant": tenant}))
+
+
+def first_token(llm, prompt: list[int]):
+    """(token, {token: logprob} of the top 5, num_cached_tokens, seconds) of a one-token generation."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                       SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)[0]
+    seconds = time.perf_counter() - t0
+    logprobs = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+    return out.outputs[0].token_ids[0], logprobs, out.num_cached_tokens, seconds
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def run_vllm(root: pathlib.Path, tokens: int, chunkservers: int = 3, log=print) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the worker's connector is reachable here
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvfs.client import SyncClient
+    from kvfs.keys import Namespace
+    from kvfs.launcher import LocalCluster
+
+    model = build_tiny_model(root / "model")
+    cluster = LocalCluster(root / "cluster", chunkservers=chunkservers, replicas=2, capacity="4GiB").start()
+    tenant = "bench"
+    prompt = [(37 * i + 11) % 1000 + 10 for i in range(tokens)]
+    warm = [(13 * i + 5) % 900 + 10 for i in range(40)]  # under one kvfs block: neither loads nor saves
+    rows = {}
+    try:
+        with SyncClient(cluster.meta_address) as client:
+            for phase in ("miss", "hit"):
+                llm = make_llm(model, cluster.meta_address, tenant)
+                for _ in range(2):  # the first steps of an engine are slow: not what is measured
+                    first_token(llm, warm)
+                worker = get_kv_transfer_group()
+                before = dict(worker.stats)
+                token, logprobs, cached, ttft = first_token(llm, prompt)
+                if phase == "miss":  # the write-back runs in the background: wait for it
+                    deadline = time.monotonic() + 120
+                    while client.lookup(Namespace(tenant, model), prompt).matched < tokens // 64:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the miss's blocks were not saved within 120 s")
+                        time.sleep(0.05)
+                after = dict(worker.stats)
+                t0 = time.perf_counter()
+                client.lookup(Namespace(tenant, model), prompt)  # what the scheduler side asks once per request
+                lookup = time.perf_counter() - t0
+                rows[phase] = {"ttft_s": ttft, "num_cached_tokens": cached, "token": token,
+                               "bytes_loaded": after["loaded_bytes"] - before["loaded_bytes"],
+                               "worker_load_s": after["load_seconds"] - before["load_seconds"],
+                               "worker_snapshot_s": after["snapshot_seconds"] - before["snapshot_seconds"],
+                               "saved_blocks": after["saved_blocks"] - before["saved_blocks"],
+                               "scheduler_lookup_s": lookup, "logprobs": {str(k): v for k, v in logprobs.items()}}
+                log(f"{phase}: first token in {ttft:.3f}s, {cached} tokens from kvfs")
+                close(llm)
+    finally:
+        cluster.stop()
+    miss, hit = rows["miss"], rows["hit"]
+    common = miss["logprobs"].keys() & hit["logprobs"].keys()
+    return {"tokens": tokens, "miss": miss, "hit": hit, "speedup": miss["ttft_s"] / hit["ttft_s"],
+            "max_logprob_diff": max(abs(miss["logprobs"][k] - hit["logprobs"][k]) for k in common) if common else None}
