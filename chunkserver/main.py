@@ -32,7 +32,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     advertised = cfg.advertise or address
     # the data port is advertised on the same host as gRPC
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
-    chunk_pb2_grpc.add_ChunkServiceServicer_to_server(ChunkServicer(store, data_address), server)
+    servicer = ChunkServicer(store, data_address)
+    chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await server.start()
@@ -55,6 +56,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
     await scrubbing
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
+    await servicer.close()  # channels CopyChunk opened to other chunkservers
     if data:
         data.shutdown()
         data.server_close()

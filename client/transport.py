@@ -298,9 +298,13 @@ class _Connection:
                 self.dead = err
             pending, self.pending = self.pending, {}
         for p in pending.values():
-            for spec in p.specs:  # a range this connection was receiving may now go to another reader
-                spec.release(p)
-            self._complete(p, [err] * len(p.specs))
+            self._abandon(p, err)
+
+    def _abandon(self, p: _Pending, err: KvfsError) -> None:
+        """Fails every range of `p`, releasing ranges it claimed to other readers."""
+        for spec in p.specs:
+            spec.release(p)
+        self._complete(p, [err] * len(p.specs))
 
     @staticmethod
     def _complete(p: _Pending, errors: list) -> None:
@@ -338,10 +342,7 @@ class _Connection:
                         raise wire.WireError(f"{len(results)} results for {len(p.specs)} ranges")
                     self._complete(p, self._place(p, results))
                 except BaseException:  # p left `pending` above: _fail would not see it
-                    for spec in p.specs:
-                        spec.release(p)
-                    self._complete(p, [Unavailable(f"data connection to {self.address} lost mid-reply")]
-                                   * len(p.specs))
+                    self._abandon(p, Unavailable(f"data connection to {self.address} lost mid-reply"))
                     raise
         except (OSError, wire.WireError, KvfsError, ConnectionError) as err:
             message = err.message if isinstance(err, (wire.WireError, KvfsError)) else str(err)

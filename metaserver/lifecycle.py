@@ -58,6 +58,19 @@ class Lifecycle:
     def queue_deletes(self, chunks) -> None:
         self.state.queue_deletes(chunks)
 
+    async def delete_on(self, server_id: str, chunk_ids: list[bytes]) -> int:
+        """Deletes chunks on one server, a batch at a time; returns how many it had.
+        A failed call raises (AioRpcError) after the batches before it."""
+        stub = self._stub(server_id)
+        deleted = 0
+        for i in range(0, len(chunk_ids), DELETE_BATCH):
+            batch = chunk_ids[i : i + DELETE_BATCH]
+            reply = await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=batch), timeout=RPC_TIMEOUT)
+            deleted += reply.deleted
+            self.state.gc_deleted_chunks += reply.deleted
+            self.state.deleted(server_id, batch)
+        return deleted
+
     async def _delete_queued(self) -> int:
         async with self._deleting:
             deleted = 0
@@ -65,20 +78,10 @@ class Lifecycle:
             for sid in list(self.state.undeleted):
                 if sid not in live:
                     continue  # retried when it is back; orphan GC also finds them
-                ids = sorted(self.state.undeleted.get(sid, ()))
-                stub = self._stub(sid)
-                for i in range(0, len(ids), DELETE_BATCH):
-                    batch = ids[i : i + DELETE_BATCH]
-                    try:
-                        reply = await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=batch),
-                                                        timeout=RPC_TIMEOUT)
-                    except grpc.aio.AioRpcError as err:
-                        log.warning("deleting %d chunks on %s failed (%s); will retry", len(batch), sid,
-                                    err.code().name)
-                        break
-                    deleted += reply.deleted
-                    self.state.deleted(sid, batch)
-            self.state.gc_deleted_chunks += deleted
+                try:
+                    deleted += await self.delete_on(sid, sorted(self.state.undeleted.get(sid, ())))
+                except grpc.aio.AioRpcError as err:
+                    log.warning("deleting chunks on %s failed (%s); will retry", sid, err.code().name)
             return deleted
 
     def delete_soon(self) -> asyncio.Task:

@@ -31,7 +31,7 @@ import grpc
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
-from .lifecycle import DELETE_BATCH, RPC_TIMEOUT, Lifecycle, parse_owner
+from .lifecycle import RPC_TIMEOUT, Lifecycle, parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)
@@ -106,15 +106,11 @@ class Repairer:
             async for info in self.lifecycle._inventory(sid):
                 if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid):
                     stale.append(info.chunk_id)
-            stub = self.lifecycle._stub(sid)
-            for i in range(0, len(stale), DELETE_BATCH):
-                await stub.DeleteChunks(chunk_pb2.DeleteChunksRequest(chunk_ids=stale[i : i + DELETE_BATCH]),
-                                        timeout=RPC_TIMEOUT)
+            await self.lifecycle.delete_on(sid, stale)
         except grpc.aio.AioRpcError as err:
             log.warning("reconciling %s failed (%s); it stays out until the next round", sid, err.code().name)
             return
         log.info("reconciled %s: %d stale chunks deleted", sid, len(stale))
-        self.state.gc_deleted_chunks += len(stale)
         self.state.reconciled(sid)
 
     async def _copy_all(self, repairs: list[Repair]) -> None:

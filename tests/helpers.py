@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import time
 
 
@@ -70,3 +72,25 @@ async def restore_all(client, match, layout, **kw):
     restore = client.read(match, out, **kw)
     order = [layer async for layer in restore]
     return out, order, await restore.wait()
+
+
+def flip_stored_byte(data_dir: pathlib.Path, chunk: bytes, at: int) -> str | None:
+    """Flips byte `at` of `chunk` where a chunkserver's slot files under `data_dir`
+    hold it (found by its first 4 KiB) and drops the cached pages, so the server
+    reads the damage from disk. Returns where it flipped, or None if not stored there."""
+    for slot_file in (data_dir / "slots").rglob("*.slots"):
+        with open(slot_file, "r+b") as fh:
+            pos = fh.read().find(chunk[:4096])
+            if pos < 0:
+                continue
+            fh.seek(pos + at)
+            byte = fh.read(1)
+            fh.seek(pos + at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+            fh.flush()
+            os.fsync(fh.fileno())
+        fd = os.open(slot_file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        return f"{slot_file.relative_to(data_dir)}+{pos + at}"
+    return None

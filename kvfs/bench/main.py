@@ -65,15 +65,11 @@ def _io(args) -> int:
 def _prefix(args) -> int:
     from .prefix import run_prefix
 
-    root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-bench-"))
-    console.print(f"kvfs-bench prefix: a {args.tokens}-token MLA prefix on {args.chunkservers} local chunkservers, "
-                  f"{args.replicas} replicas, {args.rounds} rounds, data in {root}")
-    try:
+    with _scratch(args.data_dir) as root:
+        console.print(f"kvfs-bench prefix: a {args.tokens}-token MLA prefix on {args.chunkservers} local "
+                      f"chunkservers, {args.replicas} replicas, {args.rounds} rounds, data in {root}")
         report = asyncio.run(run_prefix(root, args.tokens, args.rounds, args.lookup_blocks, args.chunkservers,
                                         args.replicas, log=console.print))
-    finally:
-        if not args.data_dir:
-            shutil.rmtree(root, ignore_errors=True)
     table = Table(title="one long prefix through the cluster (medians)")
     for col in ("restore GB/s", "raw io_uring GB/s", "restore / raw", "write-back GB/s",
                 f"MatchPrefix {args.lookup_blocks} blocks p50 ms"):
@@ -166,14 +162,11 @@ def _plot(path: str | None, results: list[dict], title: str) -> None:
 def _faults(args) -> int:
     from .faults import run_faults
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
     console.print(f"kvfs-bench faults: {args.gib} GiB of MLA prompts on {args.chunkservers} local chunkservers, "
                   f"{args.concurrency} restore workers; one chunkserver SIGKILLed after {args.steady}s")
-    try:
+    with _scratch() as root:
         report = asyncio.run(run_faults(root, args.chunkservers, args.gib, args.prompt_blocks, args.concurrency,
                                         args.steady, log=console.print))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     table = Table(title=f"restores of {report['prompt_blocks']}-block prompts while cs-1 dies (seconds)")
     for col in ("window", "restores", "failed", "p50", "p99", "max"):
         table.add_column(col, justify="right")
@@ -193,13 +186,10 @@ def _faults(args) -> int:
 def _vllm(args) -> int:
     from .vllm import run_vllm
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
     console.print(f"kvfs-bench vllm: a {args.tokens}-token prompt through a real vLLM (CPU, tiny DeepSeek-V2) "
                   f"with KvfsConnector on {args.chunkservers} local chunkservers: a miss, then a fresh engine's hit")
-    try:
+    with _scratch() as root:
         report = run_vllm(root, args.tokens, args.chunkservers, log=console.print)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     table = Table(title=f"time to first token in vLLM, {args.tokens}-token prompt (seconds, bytes)")
     for col in ("", "first token s", "tokens from kvfs", "bytes loaded", "worker load s", "worker snapshot s",
                 "scheduler MatchPrefix s"):
@@ -225,13 +215,23 @@ def _cluster(args):
         return
     from kvfs.launcher import LocalCluster
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="kvfs-bench-"))
-    cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
+    with _scratch() as root:
+        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
+        try:
+            yield cluster.start().meta_address
+        finally:
+            cluster.stop()
+
+
+@contextlib.contextmanager
+def _scratch(keep: str | None = None):
+    """A folder for the servers' data: `keep` (left in place), or a temporary one removed after."""
+    root = pathlib.Path(keep or tempfile.mkdtemp(prefix="kvfs-bench-"))
     try:
-        yield cluster.start().meta_address
+        yield root
     finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _policy_table(results: list[dict]) -> Table:

@@ -15,8 +15,6 @@ import time
 
 import torch
 
-KV_DIM = 576
-
 
 def build_tiny_model(path: str | os.PathLike) -> str:
     """A random 2-layer DeepSeek-V2 (no MoE) whose MLA cache is the real 576 wide

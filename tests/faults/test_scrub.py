@@ -13,7 +13,7 @@ from kvfs.errors import DataLoss, NotFound
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
-from helpers import layer_major, restore_all, tokens_for, until
+from helpers import flip_stored_byte, layer_major, restore_all, tokens_for, until
 
 NS = Namespace("acme", "scrub")
 LAYOUT = BlockLayout(layers=4, block_tokens=64, kv_dim=512)  # 256 KiB blocks: one chunk each
@@ -24,22 +24,10 @@ NO_REPAIR = ["--repair-interval", "1h"]
 
 def flip_in_chunk(data_dir: pathlib.Path, chunk: bytes, at: int) -> str:
     """Flips one byte of `chunk` where it is stored in this server's slot files."""
-    for slot_file in (data_dir / "slots").rglob("*.slots"):
-        with open(slot_file, "r+b") as fh:
-            pos = fh.read().find(chunk[:4096])
-            if pos < 0:
-                continue
-            fh.seek(pos + at)
-            byte = fh.read(1)
-            fh.seek(pos + at)
-            fh.write(bytes([byte[0] ^ 0xFF]))
-            fh.flush()
-            os.fsync(fh.fileno())
-        fd = os.open(slot_file, os.O_RDONLY)  # drop cached pages so buffered readers see the disk
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        return f"{slot_file.relative_to(data_dir)}+{pos + at}"
-    raise AssertionError(f"chunk not found in {data_dir}")
+    where = flip_stored_byte(data_dir, chunk, at)
+    if where is None:
+        raise AssertionError(f"chunk not found in {data_dir}")
+    return where
 
 
 async def written(cluster, client):

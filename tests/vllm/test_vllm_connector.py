@@ -8,8 +8,6 @@ first token's logprobs (within LOGPROB_TOL of a full recompute)."""
 
 from __future__ import annotations
 
-import os
-import pathlib
 import time
 
 import pytest
@@ -20,7 +18,7 @@ from kvfs.bench.vllm import build_tiny_model, close
 from kvfs.client import SyncClient
 from kvfs.keys import Namespace
 
-from helpers import wait_until
+from helpers import flip_stored_byte, wait_until
 
 LOGPROB_TOL = 0.02
 PROMPT = [(37 * i + 11) % 1000 + 10 for i in range(200)]  # 3 full kvfs blocks + 8 tokens
@@ -142,27 +140,6 @@ def test_fresh_engine_loads_the_saved_prefix(local_cluster, tiny_model, multipro
     save_then_load(local_cluster, tiny_model)
 
 
-def flip_in_slots(data_dir: pathlib.Path, chunk: bytes, at: int) -> int:
-    """Flips one byte of `chunk` wherever this server's slot files hold it."""
-    flipped = 0
-    for slot_file in (data_dir / "slots").rglob("*.slots"):
-        with open(slot_file, "r+b") as fh:
-            pos = fh.read().find(chunk[:4096])
-            if pos < 0:
-                continue
-            fh.seek(pos + at)
-            byte = fh.read(1)
-            fh.seek(pos + at)
-            fh.write(bytes([byte[0] ^ 0xFF]))
-            fh.flush()
-            os.fsync(fh.fileno())
-        fd = os.open(slot_file, os.O_RDONLY)  # drop cached pages so the servers read the disk
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        flipped += 1
-    return flipped
-
-
 def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
     import vllm.envs
 
@@ -181,7 +158,7 @@ def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
     stride = match.tokens * layout.row_bytes
     chunk_bytes = b"".join(out[layer * stride + layout.layer_bytes : layer * stride + 2 * layout.layer_bytes]
                            for layer in range(chunk.length // layout.layer_bytes))
-    flipped = sum(flip_in_slots(cluster.root / f"cs-{i}", chunk_bytes, 5000) for i in range(3))
+    flipped = sum(flip_stored_byte(cluster.root / f"cs-{i}", chunk_bytes, 5000) is not None for i in range(3))
     print(f"injected: flipped a byte of block 1's chunk on {flipped} replicas")
     assert flipped == 2
 
