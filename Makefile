@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvfs-installed
 VLLM_STAMP := $(VENV)/.kvfs-vllm-installed
 
-.PHONY: setup demo test test-unit bench stubs clean
+.PHONY: setup demo test test-unit bench stubs config clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: setup
 
 stubs: setup
 	$(BIN)/python -m kvfs.proto.generate
+
+# deploy/kvfs.toml is every setting at its default; a unit test keeps it current
+config: setup
+	$(BIN)/kvfs config > deploy/kvfs.toml
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,6 +1,11 @@
 """kvfs.chunkserver: stores immutable chunks in preallocated slot files on local disk.
 
-store.py holds the chunk store (slots, index, checksums, crash-safe writes),
-uring.py the batched io_uring reader, service.py the gRPC servicer and main.py
-the `kvfs-chunkserver` entry point.
+config.py    ChunkserverConfig, the server's settings
+store.py     the chunk store: slots, RocksDB index, checksums, crash-safe writes
+slots.py     preallocated slot files per size class, O_DIRECT probing
+uring.py     batched io_uring reads (and the logged preadv fallback)
+dataport.py  the bulk data port: framed reads into the client's buffer, shared memory on one host
+scrub.py     background checksum verification at a bounded rate
+membership.py registration and heartbeats to the metaserver
+service.py   the gRPC servicer; main.py the `kvfs-chunkserver` entry point
 """

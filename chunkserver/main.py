@@ -9,11 +9,11 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.config import ChunkserverConfig
 from kvfs.proto import chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
+from .config import ChunkserverConfig
 from .dataport import start_data_server
 from .membership import heartbeat_forever
 from .scrub import Scrubber

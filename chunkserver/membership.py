@@ -8,9 +8,9 @@ import logging
 
 import grpc
 
-from kvfs.config import ChunkserverConfig
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
+from .config import ChunkserverConfig
 from .store import ChunkStore
 
 log = logging.getLogger(__name__)

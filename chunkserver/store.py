@@ -38,9 +38,10 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvfs.buffers import PAGE, aligned_bytearray
 from kvfs.checksum import BLOCK, block_checksums
 from kvfs.checksum import chunk_checksum as checksum
-from kvfs.config import ChunkserverConfig, MiB
+from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
 
+from .config import ChunkserverConfig
 from .slots import SlotFiles, SlotRef, probe_direct
 from .uring import open_reader, settle
 
@@ -185,7 +186,7 @@ def run_to_completion(awaitable):
     return asyncio.shield(task)
 
 
-class _BufferPool:
+class _AlignedBuffers:
     """Reused page-aligned buffers, by size, for reads and O_DIRECT writes."""
 
     def __init__(self, max_bytes: int):
@@ -234,7 +235,7 @@ class ChunkStore:
         self.reader = open_reader(cfg.io_engine, cfg.uring_entries)
         self._committer = _GroupCommitter(self._db)
         self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io")
-        self._pool = _BufferPool(256 * MiB)
+        self._pool = _AlignedBuffers(256 * MiB)
         self._writing: dict[bytes, asyncio.Future] = {}
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()

@@ -1,8 +1,14 @@
 """kvfs: a distributed chunk file system for LLM KV-cache blocks.
 
-This package holds what every part shares (errors, configuration, buffers) and
-the command-line entry points. The parts install beside it: kvfs.chunkserver,
-kvfs.metaserver, kvfs.client, kvfs.engine.
+This package is the vocabulary every part shares and nothing else: block keys
+(keys.py), the block layout (layout.py), the data-port wire format (wire.py),
+chunk checksums (checksum.py), errors and their gRPC codes (errors.py), the
+configuration machinery (config.py), gRPC and serving helpers (rpc.py,
+serving.py), page-aligned buffers (buffers.py) and the generated stubs (proto/).
+It imports no part. The parts install beside it (kvfs.metaserver,
+kvfs.chunkserver, kvfs.client, kvfs.engine, kvfs.integrations) and the programs
+on top (kvfs.cli, kvfs.bench); pyproject.toml's import contracts say who may
+import whom.
 """
 
 __version__ = "0.1.0"

@@ -3,7 +3,9 @@
 Each value comes from, in order of precedence: a command-line flag, an
 environment variable `KVFS_<SECTION>_<FIELD>` (e.g. KVFS_CHUNKSERVER_CAPACITY),
 the `[section]` table of a TOML file (--config or KVFS_CONFIG), or the default.
-Defaults run a one-machine cluster.
+Defaults run a one-machine cluster. Each part declares its own settings
+dataclass (kvfs.metaserver.config, kvfs.chunkserver.config, kvfs.engine.config)
+with the field helpers here; `render_toml` writes a default file from them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import re
+import textwrap
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -54,115 +57,23 @@ def parse_duration(text: str | float) -> float:
     return float(m.group(1)) * _SECONDS[m.group(2)]
 
 
-def parse_ttl_classes(text: str) -> dict[str, float]:
-    """'agent=3d,chat=7d' -> {'agent': 259200.0, 'chat': 604800.0}."""
-    classes = {}
-    for item in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"bad TTL class {item!r}: expected name=duration, e.g. chat=7d")
-        classes[name.strip()] = parse_duration(value)
-    if not classes:
-        raise ValueError("at least one TTL class is needed")
-    return classes
-
-
-def _duration(default: float, help: str) -> Any:
+def duration_field(default: float, help: str) -> Any:
+    """A field read as a duration ('500ms', '10s', '3d') and written back the same way."""
     return dataclasses.field(default=default, metadata={"duration": True, "help": help})
 
 
-def _size(default: int, help: str) -> Any:
+def size_field(default: int, help: str) -> Any:
+    """A field read as a size ('64MiB', '10GiB') and written back the same way."""
     return dataclasses.field(default=default, metadata={"size": True, "help": help})
 
 
-def _opt(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+def option(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    """A plain field with its help text and, optionally, the values it may take."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChunkserverConfig:
-    data_dir: str = _opt("kvfs-data/chunkserver", "folder for slot files and the chunk index")
-    listen: str = _opt("127.0.0.1:7100", "host:port for gRPC (port 0 picks a free one)")
-    id: str = _opt("cs-1", "this server's id, unique in the cluster")
-    failure_domain: str = _opt("default", "replicas of a chunk go to distinct failure domains")
-    capacity: int = _size(10 * GiB, "most bytes of slot files this server may allocate")
-    reserve: int = _size(64 * MiB, "free space kept on the filesystem for the index")
-    io_engine: str = _opt("auto", "disk reads: io_uring, preadv (thread pool), or auto "
-                          "(io_uring, falling back to preadv if the kernel refuses)",
-                          ("auto", "io_uring", "preadv"))
-    io_mode: str = _opt("auto", "direct (O_DIRECT), buffered, or auto (direct where the "
-                        "filesystem allows it)", ("auto", "direct", "buffered"))
-    uring_entries: int = _opt(256, "io_uring submission queue size")
-    max_chunk_size: int = _size(64 * MiB, "largest chunk accepted")
-    max_read_bytes: int = _size(256 * MiB, "most bytes one ReadChunks call may ask for")
-    max_ranges: int = _opt(4096, "most ranges one ReadChunks call may ask for")
-    scrub_rate: int = _size(64 * MiB, "background checksum verification of every stored chunk reads at "
-                            "most this many bytes/s (0: no background passes)")
-    scrub_interval: float = _duration(3600.0, "pause between two full scrub passes")
-    data_listen: str = _opt("", "host:port of the bulk data port (default: the gRPC host and a free "
-                            "port; 'off' serves reads over gRPC only)")
-    meta: str = _opt("", "metaserver host:port to register with (empty: standalone)")
-    advertise: str = _opt("", "address clients use to reach this server (default: the bound one)")
-    ready_file: str = _opt("", "once serving, write the bound address here (for launchers)")
-    log_level: str = _opt("INFO", "logging level")
-
-    def __post_init__(self) -> None:
-        _check_choices(self)
-        if not 64 * KiB <= self.max_chunk_size <= 64 * MiB:
-            raise ValueError("max_chunk_size must be between 64KiB and 64MiB")
-        if self.capacity <= 0:
-            raise ValueError("capacity must be positive")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MetaserverConfig:
-    data_dir: str = _opt("kvfs-data/metaserver", "folder for the metadata RocksDB")
-    listen: str = _opt("127.0.0.1:7000", "host:port for gRPC (port 0 picks a free one)")
-    replicas: int = _opt(2, "copies of every chunk, on servers in distinct failure domains")
-    chunk_size: int = _size(1 * MiB, "blocks are cut into chunks of at most this size")
-    ttl_classes: str = _opt("agent=3d,chat=7d", "TTL classes, name=duration; refreshed on every hit")
-    default_ttl_class: str = _opt("chat", "class of blocks committed without one")
-    heartbeat_interval: float = _duration(2.0, "how often chunkservers heartbeat")
-    heartbeat_timeout: float = _duration(10.0, "a server silent this long is not live")
-    allocation_timeout: float = _duration(60.0, "an allocation not committed by then is garbage")
-    lifecycle_interval: float = _duration(30.0, "how often expiry and orphan GC run")
-    gc_grace: float = _duration(600.0, "an unreferenced chunk younger than this is left alone")
-    repair_interval: float = _duration(2.0, "how often servers back from silence are reconciled and "
-                                       "chunks short of copies re-replicated")
-    repair_rate: int = _size(256 * MiB, "re-replication copies at most this many bytes per second")
-    max_keys: int = _opt(100_000, "most keys in one MatchPrefix or AllocateBlocks")
-    # choices are metaserver/eviction.py's POLICIES (kvfs/ imports no server; a unit test checks they agree)
-    eviction_policy: str = _opt("lfuda", "which cached blocks capacity eviction drops first, leaves before "
-                                "their parents: lfuda (least frequently used, aged) or lru", ("lfuda", "lru"))
-    evict_high: float = _opt(0.90, "capacity eviction starts when cached blocks would pass this share of "
-                             "the live servers' capacity divided by replicas")
-    evict_low: float = _opt(0.80, "and evicts until cached blocks take this share of it")
-    rebuild: bool = _opt(False, "rebuild block metadata from chunkserver inventories after "
-                         "servers register (see rebuild_after)")
-    rebuild_after: float = _duration(5.0, "with rebuild: wait this long for servers to register")
-    ready_file: str = _opt("", "once serving, write the bound address here (for launchers)")
-    log_level: str = _opt("INFO", "logging level")
-
-    def __post_init__(self) -> None:
-        _check_choices(self)
-        classes = parse_ttl_classes(self.ttl_classes)
-        if self.default_ttl_class not in classes:
-            raise ValueError(f"default_ttl_class {self.default_ttl_class!r} is not one of "
-                             f"{', '.join(classes)}")
-        if self.replicas < 1:
-            raise ValueError("replicas must be at least 1")
-        if not 64 * KiB <= self.chunk_size <= 64 * MiB:
-            raise ValueError("chunk_size must be between 64KiB and 64MiB")
-        if not 0.0 < self.evict_low <= self.evict_high <= 1.0:
-            raise ValueError(f"watermarks need 0 < evict_low <= evict_high <= 1, got evict_low={self.evict_low} "
-                             f"evict_high={self.evict_high}")
-
-    @property
-    def ttls(self) -> dict[str, float]:
-        return parse_ttl_classes(self.ttl_classes)
-
-
-def _check_choices(cfg: Any) -> None:
+def check_choices(cfg: Any) -> None:
+    """Raises ValueError naming the first field whose value is not one of its choices."""
     for f in dataclasses.fields(cfg):
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:
@@ -220,3 +131,36 @@ def load(cls: type[C], section: str, flags: Mapping[str, Any] | None = None,
             values[f.name] = flags[f.name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     return cls(**{k: _convert(fields[k], v) for k, v in values.items()})
+
+
+_SIZE_UNITS = (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+_DURATION_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def _format(field: dataclasses.Field, value: Any) -> str:
+    """A value as TOML, sizes and durations in the units people write."""
+    if field.metadata.get("size"):
+        unit = next((f"{value // n}{u}" for u, n in _SIZE_UNITS if value and value % n == 0), str(value))
+        return f'"{unit}"'
+    if field.metadata.get("duration"):
+        if value and value < 1:
+            return f'"{round(value * 1000)}ms"'
+        unit = next((f"{int(value // n)}{u}" for u, n in _DURATION_UNITS if value % n == 0), f"{value}s")
+        return f'"{unit}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def render_toml(sections: Mapping[str, type], header: str = "") -> str:
+    """A TOML file holding every field of each settings class at its default, each
+    under its help text: the shipped deploy/kvfs.toml is this output."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    for section, cls in sections.items():
+        lines += ["", f"[{section}]"]
+        for f in dataclasses.fields(cls):
+            lines += textwrap.wrap(f.metadata.get("help", ""), 88, initial_indent="# ", subsequent_indent="# ")
+            lines.append(f"{f.name} = {_format(f, f.default)}")
+    return "\n".join(lines).lstrip("\n") + "\n"

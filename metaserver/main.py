@@ -9,11 +9,11 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.config import MetaserverConfig
 from kvfs.proto import meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
+from .config import MetaserverConfig
 from .lifecycle import Lifecycle
 from .repair import Repairer
 from .service import MetaServicer

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-from kvfs.config import KiB, MiB, MetaserverConfig
+from kvfs.config import KiB, MiB
 from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvfs.keys import KEY_BYTES
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
 from .chains import Chain, Member, Placer, build_chains
+from .config import MetaserverConfig
 from .eviction import POLICIES, Policy, Watermarks
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvfs.launcher import ServerProcess, start_chunkserver
+from kvfs.cli.launcher import ServerProcess, start_chunkserver
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ FAST_META = ["--heartbeat-interval", "200ms", "--heartbeat-timeout", "3s", "--li
 def local_cluster(tmp_path):
     """Factory: local_cluster(chunkservers=3, replicas=2, meta_extra=[...]) starts a
     LocalCluster (the launcher `kvfs cluster up` uses); all of it stops at teardown."""
-    from kvfs.launcher import LocalCluster
+    from kvfs.cli.launcher import LocalCluster
 
     clusters = []
 

@@ -8,7 +8,7 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = ["kvfs", "kvfs.proto.chunk_pb2", "kvfs.proto.meta_pb2_grpc", "kvfs.chunkserver.main",
            "kvfs.chunkserver.store", "kvfs.client", "kvfs.metaserver", "kvfs.engine", "kvfs.cli",
-           "kvfs.bench.main", "kvfs.launcher"]
+           "kvfs.bench.main", "kvfs.cli.launcher", "kvfs.cli.demo"]
 
 
 def test_wheel_installs_every_part_and_imports_from_itself(tmp_path):
@@ -19,7 +19,7 @@ def test_wheel_installs_every_part_and_imports_from_itself(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
-    for script in ("kvfs = kvfs.cli:main", "kvfs-chunkserver = kvfs.chunkserver.main:main",
+    for script in ("kvfs = kvfs.cli.main:main", "kvfs-chunkserver = kvfs.chunkserver.main:main",
                    "kvfs-bench = kvfs.bench.main:main"):
         assert script in scripts
     site = tmp_path / "site"

@@ -14,7 +14,7 @@ from kvfs.checksum import chunk_checksum
 from kvfs.client import ChunkClient, Client
 from kvfs.errors import DeadlineExceeded, KvfsError, Unavailable
 from kvfs.keys import Namespace, block_keys
-from kvfs.launcher import meta_status
+from kvfs.cli.launcher import meta_status
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 

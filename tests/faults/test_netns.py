@@ -13,7 +13,7 @@ import pytest
 
 from kvfs.client import ChunkClient, Client
 from kvfs.keys import Namespace
-from kvfs.launcher import meta_status, start_chunkserver, start_metaserver
+from kvfs.cli.launcher import meta_status, start_chunkserver, start_metaserver
 from kvfs.layout import BlockLayout
 
 from conftest import FAST_META

@@ -20,7 +20,7 @@ from collections import Counter
 from kvfs.client import Client
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace, block_keys
-from kvfs.launcher import meta_status
+from kvfs.cli.launcher import meta_status
 from kvfs.layout import BlockLayout
 
 from helpers import layer_major, restore_all, tokens_for, until

@@ -3,7 +3,8 @@
 import pytest
 
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.config import ChunkserverConfig, MetaserverConfig
+from kvfs.chunkserver.config import ChunkserverConfig
+from kvfs.metaserver.config import MetaserverConfig
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 

@@ -2,7 +2,8 @@ import argparse
 
 import pytest
 
-from kvfs.config import ChunkserverConfig, GiB, MiB, add_flags, load, parse_size
+from kvfs.chunkserver.config import ChunkserverConfig
+from kvfs.config import GiB, MiB, add_flags, load, parse_size
 
 
 @pytest.mark.parametrize("text,value", [("10GiB", 10 * GiB), ("512MiB", 512 * MiB), ("1.5MB", 1_500_000),
@@ -62,11 +63,40 @@ def test_every_field_has_a_flag():
 def test_shipped_default_config_is_the_defaults():
     import pathlib
 
-    from kvfs.config import MetaserverConfig
+    from kvfs.cli.main import default_config
+    from kvfs.metaserver.config import MetaserverConfig
 
     sample = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "kvfs.toml"
     assert load(ChunkserverConfig, "chunkserver", {"config": str(sample)}, {}) == ChunkserverConfig()
     assert load(MetaserverConfig, "metaserver", {"config": str(sample)}, {}) == MetaserverConfig()
+    # every key, with its help: regenerate with `kvfs config > deploy/kvfs.toml`
+    assert sample.read_text() == default_config(), "deploy/kvfs.toml is stale: run `kvfs config > deploy/kvfs.toml`"
+
+
+@pytest.mark.parametrize("value,text", [(10 * GiB, '"10GiB"'), (64 * MiB, '"64MiB"'), (1000, '"1000"'), (0, '"0"')])
+def test_sizes_are_written_as_people_write_them(value, text):
+    import dataclasses
+
+    from kvfs.config import render_toml, size_field
+
+    cls = dataclasses.make_dataclass("C", [("n", int, size_field(value, "a size"))])
+    assert render_toml({"s": cls}).splitlines()[-1] == f"n = {text}"
+    assert load(cls, "s", {}, {}).n == value
+
+
+@pytest.mark.parametrize("seconds,text", [(0.5, '"500ms"'), (2.0, '"2s"'), (600.0, '"10m"'), (259200.0, '"3d"'),
+                                          (1.5, '"1.5s"')])
+def test_durations_round_trip_through_the_rendered_file(tmp_path, seconds, text):
+    import dataclasses
+
+    from kvfs.config import duration_field, render_toml
+
+    cls = dataclasses.make_dataclass("C", [("t", float, duration_field(seconds, "a duration"))])
+    rendered = render_toml({"s": cls})
+    assert rendered.splitlines()[-1] == f"t = {text}"
+    path = tmp_path / "c.toml"
+    path.write_text(rendered)
+    assert load(cls, "s", {"config": str(path)}, {}).t == seconds
 
 
 @pytest.mark.parametrize("text,seconds", [("500ms", 0.5), ("10s", 10), ("5m", 300), ("3d", 259200), ("2", 2)])
@@ -77,7 +107,7 @@ def test_parse_duration(text, seconds):
 
 
 def test_ttl_classes_and_default_class_checked():
-    from kvfs.config import MetaserverConfig, parse_ttl_classes
+    from kvfs.metaserver.config import MetaserverConfig, parse_ttl_classes
 
     assert parse_ttl_classes("agent=3d, chat=7d") == {"agent": 259200, "chat": 604800}
     with pytest.raises(ValueError, match="name=duration"):

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from kvfs.config import MetaserverConfig
+from kvfs.metaserver.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
 from kvfs.proto import meta_pb2

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfs.config import MetaserverConfig
+from kvfs.metaserver.config import MetaserverConfig
 from kvfs.errors import InvalidArgument, NotFound, Unavailable
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout

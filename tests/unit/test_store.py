@@ -8,7 +8,7 @@ import pytest
 
 from kvfs.chunkserver.store import BLOCK, ChunkRecord, ChunkStore, checksum
 from kvfs.chunkserver.slots import SlotRef
-from kvfs.config import ChunkserverConfig
+from kvfs.chunkserver.config import ChunkserverConfig
 from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument
 
 MiB = 1 << 20

@@ -16,7 +16,7 @@ import shutil
 from kvfs.client import BufferPool, Client
 from kvfs.engine import Engine, ModelConfig
 from kvfs.keys import Namespace
-from kvfs.launcher import LocalCluster
+from kvfs.cli.launcher import LocalCluster
 
 
 async def run_ttft(preset: str, lengths: list[int], chunkservers: int, log=print) -> dict:

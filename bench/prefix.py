@@ -19,7 +19,7 @@ import time
 
 from kvfs.client import Client
 from kvfs.keys import Namespace
-from kvfs.launcher import LocalCluster
+from kvfs.cli.launcher import LocalCluster
 from kvfs.layout import BlockLayout
 
 from .io import percentile, raw_disk

@@ -70,7 +70,7 @@ def run_vllm(root: pathlib.Path, tokens: int, chunkservers: int = 3, log=print) 
 
     from kvfs.client import SyncClient
     from kvfs.keys import Namespace
-    from kvfs.launcher import LocalCluster
+    from kvfs.cli.launcher import LocalCluster
 
     model = build_tiny_model(root / "model")
     cluster = LocalCluster(root / "cluster", chunkservers=chunkservers, replicas=2, capacity="4GiB").start()

@@ -23,7 +23,7 @@ import xxhash
 from kvfs.buffers import byte_view
 from kvfs.client import BufferPool, Client
 from kvfs.keys import Namespace
-from kvfs.launcher import LocalCluster, meta_status
+from kvfs.cli.launcher import LocalCluster, meta_status
 from kvfs.layout import BlockLayout
 
 from .restore import percentiles

@@ -213,7 +213,7 @@ def _cluster(args):
     if args.meta:
         yield args.meta
         return
-    from kvfs.launcher import LocalCluster
+    from kvfs.cli.launcher import LocalCluster
 
     with _scratch() as root:
         cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")

@@ -16,8 +16,9 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from kvfs.config import render_toml
 from kvfs.errors import KvfsError, from_rpc_error
-from kvfs.launcher import LocalCluster, meta_status
+from kvfs.cli.launcher import LocalCluster, meta_status
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 DEFAULT_CLUSTER_DIR = "kvfs-data/cluster"
@@ -111,7 +112,7 @@ def _cluster_down(args) -> int:
 
 
 def _demo(args) -> int:
-    from kvfs.demo import make_prompts, run_workload, summary
+    from kvfs.cli.demo import make_prompts, run_workload, summary
 
     root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-demo-"))
     console.print(f"[bold]kvfs demo[/]: starting a local cluster in {root}")
@@ -129,7 +130,7 @@ def _demo(args) -> int:
             console.print(line)
         same = True
         if args.engine_tokens:
-            from kvfs.demo import engine_miss_then_hit
+            from kvfs.cli.demo import engine_miss_then_hit
 
             lines = asyncio.run(engine_miss_then_hit(cluster.meta_address, args.engine_tokens))
             same = lines[-1].startswith("  same answer: yes")
@@ -185,6 +186,18 @@ async def _chunk_admin(args) -> int:
     return 0
 
 
+CONFIG_HEADER = """kvfs configuration: one table per server, every setting at its default.
+Written by `kvfs config`; edit a copy. Flags override these, and
+KVFS_<PART>_<KEY> environment variables (KVFS_CHUNKSERVER_CAPACITY=2TiB) too."""
+
+
+def default_config() -> str:
+    from kvfs.chunkserver.config import ChunkserverConfig
+    from kvfs.metaserver.config import MetaserverConfig
+
+    return render_toml({"chunkserver": ChunkserverConfig, "metaserver": MetaserverConfig}, CONFIG_HEADER)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: local cluster, admin and demo.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -223,7 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("address", help="host:port of the chunkserver")
         p.add_argument("--limit", type=int, default=50, help="rows to show (ls)")
 
+    sub.add_parser("config", help="print a configuration file with every setting at its default "
+                   "(deploy/kvfs.toml is this output)")
+
     args = parser.parse_args(argv)
+    if args.cmd == "config":
+        print(default_config(), end="")
+        return 0
     try:
         if args.cmd == "cluster":
             return _cluster_up(args) if args.cluster_cmd == "up" else _cluster_down(args)

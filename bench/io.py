@@ -38,7 +38,7 @@ from kvfs.buffers import aligned_bytearray, byte_view
 from kvfs.chunkserver.uring import UringReader  # the server's reader, used here without a server
 from kvfs.client import BufferPool, Client
 from kvfs.keys import Namespace
-from kvfs.launcher import LocalCluster, LaunchError
+from kvfs.cli.launcher import LocalCluster, LaunchError
 from kvfs.layout import BlockLayout
 
 NS = Namespace("bench", "deepseek-v3")

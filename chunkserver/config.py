@@ -1,0 +1,42 @@
+"""ChunkserverConfig: a chunkserver's settings (flags, KVFS_CHUNKSERVER_*, [chunkserver] in TOML)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvfs.config import GiB, KiB, MiB, check_choices, duration_field, option, size_field
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkserverConfig:
+    data_dir: str = option("kvfs-data/chunkserver", "folder for slot files and the chunk index")
+    listen: str = option("127.0.0.1:7100", "host:port for gRPC (port 0 picks a free one)")
+    id: str = option("cs-1", "this server's id, unique in the cluster")
+    failure_domain: str = option("default", "replicas of a chunk go to distinct failure domains")
+    capacity: int = size_field(10 * GiB, "most bytes of slot files this server may allocate")
+    reserve: int = size_field(64 * MiB, "free space kept on the filesystem for the index")
+    io_engine: str = option("auto", "disk reads: io_uring, preadv (thread pool), or auto "
+                            "(io_uring, falling back to preadv if the kernel refuses)",
+                            ("auto", "io_uring", "preadv"))
+    io_mode: str = option("auto", "direct (O_DIRECT), buffered, or auto (direct where the "
+                          "filesystem allows it)", ("auto", "direct", "buffered"))
+    uring_entries: int = option(256, "io_uring submission queue size")
+    max_chunk_size: int = size_field(64 * MiB, "largest chunk accepted")
+    max_read_bytes: int = size_field(256 * MiB, "most bytes one ReadChunks call may ask for")
+    max_ranges: int = option(4096, "most ranges one ReadChunks call may ask for")
+    scrub_rate: int = size_field(64 * MiB, "background checksum verification of every stored chunk reads at "
+                                 "most this many bytes/s (0: no background passes)")
+    scrub_interval: float = duration_field(3600.0, "pause between two full scrub passes")
+    data_listen: str = option("", "host:port of the bulk data port (default: the gRPC host and a free "
+                              "port; 'off' serves reads over gRPC only)")
+    meta: str = option("", "metaserver host:port to register with (empty: standalone)")
+    advertise: str = option("", "address clients use to reach this server (default: the bound one)")
+    ready_file: str = option("", "once serving, write the bound address here (for launchers)")
+    log_level: str = option("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if not 64 * KiB <= self.max_chunk_size <= 64 * MiB:
+            raise ValueError("max_chunk_size must be between 64KiB and 64MiB")
+        if self.capacity <= 0:
+            raise ValueError("capacity must be positive")

@@ -1,0 +1,6 @@
+"""python -m kvfs.cli: the `kvfs` command."""
+import sys
+
+from .main import main
+
+sys.exit(main())

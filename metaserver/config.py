@@ -1,0 +1,70 @@
+"""MetaserverConfig: the metaserver's settings (flags, KVFS_METASERVER_*, [metaserver] in TOML)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvfs.config import KiB, MiB, check_choices, duration_field, option, parse_duration, size_field
+
+from .eviction import DEFAULT_POLICY, POLICIES
+
+
+def parse_ttl_classes(text: str) -> dict[str, float]:
+    """'agent=3d,chat=7d' -> {'agent': 259200.0, 'chat': 604800.0}."""
+    classes = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"bad TTL class {item!r}: expected name=duration, e.g. chat=7d")
+        classes[name.strip()] = parse_duration(value)
+    if not classes:
+        raise ValueError("at least one TTL class is needed")
+    return classes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MetaserverConfig:
+    data_dir: str = option("kvfs-data/metaserver", "folder for the metadata RocksDB")
+    listen: str = option("127.0.0.1:7000", "host:port for gRPC (port 0 picks a free one)")
+    replicas: int = option(2, "copies of every chunk, on servers in distinct failure domains")
+    chunk_size: int = size_field(1 * MiB, "blocks are cut into chunks of at most this size")
+    ttl_classes: str = option("agent=3d,chat=7d", "TTL classes, name=duration; refreshed on every hit")
+    default_ttl_class: str = option("chat", "class of blocks committed without one")
+    heartbeat_interval: float = duration_field(2.0, "how often chunkservers heartbeat")
+    heartbeat_timeout: float = duration_field(10.0, "a server silent this long is not live")
+    allocation_timeout: float = duration_field(60.0, "an allocation not committed by then is garbage")
+    lifecycle_interval: float = duration_field(30.0, "how often expiry and orphan GC run")
+    gc_grace: float = duration_field(600.0, "an unreferenced chunk younger than this is left alone")
+    repair_interval: float = duration_field(2.0, "how often servers back from silence are reconciled and "
+                                            "chunks short of copies re-replicated")
+    repair_rate: int = size_field(256 * MiB, "re-replication copies at most this many bytes per second")
+    max_keys: int = option(100_000, "most keys in one MatchPrefix or AllocateBlocks")
+    eviction_policy: str = option(DEFAULT_POLICY, "which cached blocks capacity eviction drops first, leaves "
+                                  "before their parents: lfuda (least frequently used, aged) or lru",
+                                  tuple(POLICIES))
+    evict_high: float = option(0.90, "capacity eviction starts when cached blocks would pass this share of "
+                               "the live servers' capacity divided by replicas")
+    evict_low: float = option(0.80, "and evicts until cached blocks take this share of it")
+    rebuild: bool = option(False, "rebuild block metadata from chunkserver inventories after "
+                           "servers register (see rebuild_after)")
+    rebuild_after: float = duration_field(5.0, "with rebuild: wait this long for servers to register")
+    ready_file: str = option("", "once serving, write the bound address here (for launchers)")
+    log_level: str = option("INFO", "logging level")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        classes = parse_ttl_classes(self.ttl_classes)
+        if self.default_ttl_class not in classes:
+            raise ValueError(f"default_ttl_class {self.default_ttl_class!r} is not one of "
+                             f"{', '.join(classes)}")
+        if self.replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        if not 64 * KiB <= self.chunk_size <= 64 * MiB:
+            raise ValueError("chunk_size must be between 64KiB and 64MiB")
+        if not 0.0 < self.evict_low <= self.evict_high <= 1.0:
+            raise ValueError(f"watermarks need 0 < evict_low <= evict_high <= 1, got evict_low={self.evict_low} "
+                             f"evict_high={self.evict_high}")
+
+    @property
+    def ttls(self) -> dict[str, float]:
+        return parse_ttl_classes(self.ttl_classes)
