@@ -17,6 +17,10 @@ restoring k blocks is about max(restore(k), prefill(k..n)) and of recomputing
 all of it prefill(0..n). The controller picks the k with the smallest estimate
 (policy `adaptive`), or always k = all (`always-restore`) or k = 0
 (`always-recompute`), and returns the estimates behind the choice.
+
+An engine without admission control gets `NoAdmission` and `ImmediateWriteBacks`
+instead: the same calls, restoring every matched block and starting every
+write-back at once.
 """
 
 from __future__ import annotations
@@ -152,7 +156,7 @@ class AdmissionController:
         self.compute_ahead.pop(request, None)
 
     def compute_wait(self, deadline: float) -> float:
-        """Predicted compute the queue runs before a job due at `deadline` (scheduler.py's order)."""
+        """Predicted compute the queue runs before a job due at `deadline` (compute_queue.py's order)."""
         return sum(seconds for due, seconds in self.compute_ahead.values() if due <= deadline)
 
     # ---- the decision -----------------------------------------------------------
@@ -203,6 +207,42 @@ class AdmissionController:
             return 0.0
         return max((v["p95_s"] or 0.0 for v in self.server_latency.snapshot().values()), default=0.0)
 
+
+class NoAdmission:
+    """No admission control: every matched block is restored and no decision is
+    recorded. It keeps only the prefill cost model, which the compute queue's
+    deadlines need with or without admission."""
+
+    def __init__(self):
+        self.prefill = PrefillModel()
+
+    def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int,
+               now: float | None = None) -> None:
+        return None  # no decision: the engine restores all `matched_blocks`
+
+    def restore_issued(self, nbytes: int, now: float | None = None) -> None:
+        pass
+
+    def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None,
+                         now: float | None = None) -> None:
+        pass
+
+    def write_finished(self, nbytes: int, seconds: float) -> None:
+        pass
+
+    def compute_started(self, request: object, deadline: float, seconds: float) -> None:
+        pass
+
+    def compute_finished(self, request: object) -> None:
+        pass
+
+
+class ImmediateWriteBacks:
+    """WriteBackQueue's `submit` without the queue: each write-back starts at once on
+    the running loop, none waits for restores and none is dropped."""
+
+    def submit(self, tenant: str, nbytes: int, job) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(job())
 
 
 class WriteBackQueue:

@@ -24,10 +24,10 @@ import torch
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace
 
-from .admission import AdmissionController, Decision, PrefillModel, WriteBackQueue
+from .admission import AdmissionController, Decision, ImmediateWriteBacks, NoAdmission, WriteBackQueue
 from .cache import KVCache
+from .compute_queue import ComputeQueue
 from .config import ModelConfig
-from .scheduler import ComputeQueue
 from .weights import build_model
 
 log = logging.getLogger(__name__)
@@ -65,13 +65,28 @@ class GenerateResult:
     write_back: asyncio.Future | None = field(default=None, repr=False)  # None: nothing to write, or dropped
 
 
+@dataclass(slots=True, eq=False)  # eq=False: hashed by identity, the admission controller's compute backlog key
+class Request:
+    """One request in flight: its prompt, the cache its KV lives in, and the plan for it."""
+
+    tokens: list[int]
+    max_tokens: int  # prompt + new tokens: the cache's length
+    arrived: float  # perf_counter() at arrival; compute queue deadlines count from it
+    timings: Timings = field(default_factory=Timings)
+    match: object = None  # the lookup's result (kvfs.client PrefixMatch)
+    buf: object = None  # the BufferPool buffer behind `cache`; back to the pool after the write-back
+    cache: KVCache | None = None
+    restore_blocks: int = 0  # leading matched blocks restored from kvfs
+    start: int = 0  # first prompt token the prefill computes
+
+
 class Engine:
     """A DeepSeek-V2-style MLA model serving requests with a kvfs prefix cache.
 
     `client` is a kvfs.client.Client (use `agenerate` from async code) or a
     SyncClient (then `generate` works from plain code). Requests may run
     concurrently; their model compute shares one thread, a layer at a time, most
-    urgent first (scheduler.py), while restores and write-backs proceed on the
+    urgent first (compute_queue.py), while restores and write-backs proceed on the
     event loop.
     """
 
@@ -88,18 +103,21 @@ class Engine:
         self.pool = pool if pool is not None else BufferPool()
         self.ttl_class = ttl_class
         self.write_back = write_back
-        # decides, per request, how much of a cached prefix to restore (default: all of it),
+        # decides, per request, how much of a cached prefix to restore (without one: all of it),
         # and holds write-backs back while restores wait
-        self.admission = admission
-        self.writebacks: WriteBackQueue | None = None
-        if admission is not None:
+        self.admission: AdmissionController | NoAdmission
+        self.writebacks: WriteBackQueue | ImmediateWriteBacks
+        if admission is None:
+            self.admission, self.writebacks = NoAdmission(), ImmediateWriteBacks()
+        else:
             if admission.server_latency is None:
                 admission.server_latency = self.client.latency
             idle = asyncio.Event()
             admission.on_idle = idle.set
+            self.admission = admission
             self.writebacks = WriteBackQueue(lambda: admission.queued_bytes > 0, idle)
         # what a prefill costs, learned online: the compute queue's priorities and admission's estimates
-        self.prefill_cost = admission.prefill if admission is not None else PrefillModel()
+        self.prefill_cost = self.admission.prefill
         self.compute = ComputeQueue()
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 16) -> GenerateResult:
@@ -112,101 +130,111 @@ class Engine:
         """Greedy generation of up to `max_new_tokens` after the prompt."""
         if not token_ids or max_new_tokens < 1:
             raise ValueError("needs a prompt and max_new_tokens >= 1")
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        tokens = list(token_ids)
-        n = len(tokens)
-        timings = Timings()
-        match = await self.client.lookup(self.namespace, tokens)
-        timings.lookup = match.lookup_seconds
-        timings.tokens_cached = match.tokens
-        max_tokens = n + max_new_tokens
-        buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
-        cache = KVCache(self.cfg, max_tokens, buf)
-        restore = None
-        blocks = match.matched
-        if blocks and self.admission is not None:
-            decision = self.admission.decide(blocks, n, self.layout.payload_bytes, now=t0)
-            timings.decision = decision
-            blocks = decision.restore_blocks
-        if blocks:
-            restore = self.client.read(match, cache.bytes(), blocks=blocks, buffer_tokens=max_tokens)
-            if self.admission is not None:
-                self.admission.restore_issued(blocks * self.layout.payload_bytes, time.perf_counter())
+        req = Request(list(token_ids), len(token_ids) + max_new_tokens, time.perf_counter())
+        await self._plan(req)
+        first_logits = (await self._prefill_with_restore(req))[-1].clone()
+        out = [int(first_logits.argmax())]
+        req.timings.ttft = time.perf_counter() - req.arrived
+        await self._decode(req, out, max_new_tokens - 1)
+        return GenerateResult(out, req.timings, first_logits, self._schedule_write_back(req))
+
+    async def _plan(self, req: Request) -> None:
+        """Looks the prompt up in kvfs, gives the request its cache, and decides how many
+        of the matched blocks to restore (and so where the prefill starts)."""
+        req.match = match = await self.client.lookup(self.namespace, req.tokens)
+        req.timings.lookup, req.timings.tokens_cached = match.lookup_seconds, match.tokens
+        self._new_cache(req)
+        req.restore_blocks = match.matched
+        if match.matched:
+            decision = self.admission.decide(match.matched, len(req.tokens), self.layout.payload_bytes,
+                                             now=req.arrived)
+            req.timings.decision = decision
+            if decision is not None:  # None: no admission control, restore every matched block
+                req.restore_blocks = decision.restore_blocks
         # a fully cached prompt still runs its last token, for the logits
-        start = min(blocks * self.layout.block_tokens, n - 1)
+        req.start = min(req.restore_blocks * self.layout.block_tokens, len(req.tokens) - 1)
+
+    def _new_cache(self, req: Request) -> None:
+        req.buf = self.pool.get(self.layout.buffer_bytes(req.max_tokens))
+        req.cache = KVCache(self.cfg, req.max_tokens, req.buf)
+
+    async def _prefill_with_restore(self, req: Request) -> torch.Tensor:
+        """Restores the planned blocks into the cache while prefilling from `req.start`,
+        each layer waiting for its restored part; if the restore fails, recomputes the
+        whole prompt. Returns the prefill's logits."""
+        n, timings = len(req.tokens), req.timings
+        restore_bytes = req.restore_blocks * self.layout.payload_bytes
+        restore = None
+        if req.restore_blocks:
+            restore = self.client.read(req.match, req.cache.bytes(), blocks=req.restore_blocks,
+                                       buffer_tokens=req.max_tokens)
+            self.admission.restore_issued(restore_bytes, time.perf_counter())
         p0 = time.perf_counter()
-        if self.admission is not None:
-            predicted = self.prefill_cost.seconds(start, n)
-            request = object()  # this request's entry in the controller's compute backlog
-            self.admission.compute_started(request, t0 + predicted, predicted)
+        predicted = self.prefill_cost.seconds(req.start, n)
+        self.admission.compute_started(req, req.arrived + predicted, predicted)
         try:
-            logits, computed, waited = await self._prefill(tokens, cache, start, restore, t0)
+            logits, computed, waited = await self._prefill(req.tokens, req.cache, req.start, restore, req.arrived)
             if restore is not None:
                 stats = await restore.wait()
                 timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
                 timings.hedges, timings.hedges_won = stats.hedges, stats.hedges_won
-                timings.tokens_matched = blocks * self.layout.block_tokens
-                if self.admission is not None:
-                    self.admission.restore_finished(stats.bytes, stats.seconds, blocks * self.layout.payload_bytes,
-                                                    time.perf_counter())
+                timings.tokens_matched = req.restore_blocks * self.layout.block_tokens
+                self.admission.restore_finished(stats.bytes, stats.seconds, restore_bytes, time.perf_counter())
         except KvfsError as err:
-            log.warning("restore of %d blocks failed (%s); recomputing the prompt", match.matched, err.message)
+            log.warning("restore of %d blocks failed (%s); recomputing the prompt", req.match.matched, err.message)
             restore.cancel()
-            if self.admission is not None:
-                self.admission.restore_finished(0, 0.0, blocks * self.layout.payload_bytes, time.perf_counter())
-            timings.recomputed_after_failed_restore = True
-            # a fresh buffer: reads still in flight may land in the old one, which is not reused
-            buf = self.pool.get(self.layout.buffer_bytes(max_tokens))
-            cache = KVCache(self.cfg, max_tokens, buf)
-            start = 0
-            logits, computed, waited = await self._prefill(tokens, cache, 0, None, t0)
+            self.admission.restore_finished(0, 0.0, restore_bytes, time.perf_counter())
+            logits, computed, waited = await self._recompute(req)
         finally:
-            if self.admission is not None:
-                self.admission.compute_finished(request)
+            self.admission.compute_finished(req)
         timings.prefill = time.perf_counter() - p0
         timings.restore_wait = waited
         timings.compute = computed
-        self.prefill_cost.observe(start, n, computed)  # the compute alone, not the waits
-        first_logits = logits[-1].clone()
-        out = [int(first_logits.argmax())]
-        timings.ttft = time.perf_counter() - t0
-        d0 = time.perf_counter()
-        for pos in range(n, n + max_new_tokens - 1):
-            step, _ = await self.compute.run(t0, lambda p=pos: self.model(torch.tensor(out[-1:]), cache, p))
-            out.append(int(step[-1].argmax()))
-        timings.decode = time.perf_counter() - d0
-        task = None
-        full_blocks = n // self.layout.block_tokens
-        first_new = 0 if timings.recomputed_after_failed_restore else blocks
-        if self.write_back and full_blocks > first_new:
-            job = lambda: self._write_back(tokens[: full_blocks * self.layout.block_tokens], cache, buf,  # noqa: E731
-                                           first_new, max_tokens, timings)
-            if self.writebacks is None:
-                task = loop.create_task(job())
-            else:
-                task = self.writebacks.submit(self.namespace.tenant,
-                                              (full_blocks - first_new) * self.layout.payload_bytes, job)
-                timings.write_back_dropped = task is None
-                if task is None:
-                    self.pool.put(buf)
-        else:
-            self.pool.put(buf)
-        return GenerateResult(out, timings, first_logits, task)
+        self.prefill_cost.observe(req.start, n, computed)  # the compute alone, not the waits
+        return logits
 
-    async def _write_back(self, tokens, cache: KVCache, buf, first_block: int, max_tokens: int,
-                          timings: Timings) -> None:
+    async def _recompute(self, req: Request) -> tuple[torch.Tensor, float, float]:
+        req.timings.recomputed_after_failed_restore = True
+        # a fresh buffer: reads still in flight may land in the old one, which is not reused
+        self._new_cache(req)
+        req.start = 0
+        return await self._prefill(req.tokens, req.cache, 0, None, req.arrived)
+
+    async def _decode(self, req: Request, out: list[int], steps: int) -> None:
+        """Appends `steps` greedy tokens to `out`, whose last token is the next input."""
+        d0, n = time.perf_counter(), len(req.tokens)
+        for pos in range(n, n + steps):
+            step, _ = await self.compute.run(req.arrived,
+                                             lambda p=pos: self.model(torch.tensor(out[-1:]), req.cache, p))
+            out.append(int(step[-1].argmax()))
+        req.timings.decode = time.perf_counter() - d0
+
+    def _schedule_write_back(self, req: Request) -> asyncio.Future | None:
+        """Writes the prompt's full blocks that kvfs lacks, in the background; the cache's
+        buffer goes back to the pool when that is done (at once if nothing is written)."""
+        full_blocks = len(req.tokens) // self.layout.block_tokens
+        first_new = 0 if req.timings.recomputed_after_failed_restore else req.restore_blocks
+        task = None
+        if self.write_back and full_blocks > first_new:
+            job = functools.partial(self._write_back, req, first_new, full_blocks)
+            task = self.writebacks.submit(self.namespace.tenant,
+                                          (full_blocks - first_new) * self.layout.payload_bytes, job)
+            req.timings.write_back_dropped = task is None
+        if task is None:
+            self.pool.put(req.buf)
+        return task
+
+    async def _write_back(self, req: Request, first_block: int, end_block: int) -> None:
         try:
-            res = await self.client.write(self.namespace, tokens, cache.bytes(), self.layout, self.ttl_class,
-                                          first_block=first_block, buffer_tokens=max_tokens)
-            timings.bytes_written = res.bytes_written
-            if self.admission is not None:
-                self.admission.write_finished(res.bytes_written, res.seconds)
+            res = await self.client.write(self.namespace, req.tokens[: end_block * self.layout.block_tokens],
+                                          req.cache.bytes(), self.layout, self.ttl_class,
+                                          first_block=first_block, buffer_tokens=req.max_tokens)
+            req.timings.bytes_written = res.bytes_written
+            self.admission.write_finished(res.bytes_written, res.seconds)
         except KvfsError as err:  # the answer is out already; a cache miss later is the only cost
-            log.warning("write-back of %d blocks failed: %s", len(tokens) // self.layout.block_tokens - first_block,
-                        err.message)
+            log.warning("write-back of %d blocks failed: %s", end_block - first_block, err.message)
         finally:
-            self.pool.put(buf)
+            self.pool.put(req.buf)
 
     async def _prefill(self, tokens: list[int], cache: KVCache, begin: int, restore, arrived: float):
         """Computes tokens[begin:] one layer job at a time on the compute queue; between

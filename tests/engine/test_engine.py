@@ -62,6 +62,7 @@ async def test_partial_hit_restores_the_shared_blocks_only(local_cluster, pool):
         await (await engine.agenerate(base, 2)).write_back
         hit = await engine.agenerate(other, 2)
         assert hit.timings.tokens_matched == 64
+        assert hit.timings.decision is None  # no admission controller: every matched block, nothing decided
         assert torch.equal(hit.first_logits, two_phase_reference(engine.model, other, 64))
         await hit.write_back
         assert (await client.lookup(NS, other)).matched == 3  # its new blocks were written back

@@ -134,3 +134,20 @@ def test_read_bandwidth_is_the_paths_throughput_not_one_restores_share():
     c.restore_issued(50_000_000, now=10.0)
     c.restore_finished(50_000_000, 0.1, now=10.1)
     assert c.read_bandwidth.value == pytest.approx(5e8)
+
+
+async def test_without_admission_every_block_is_restored_and_write_backs_start_at_once():
+    from kvfs.engine.admission import ImmediateWriteBacks, NoAdmission
+
+    none = NoAdmission()
+    assert none.decide(7, 500, 1 << 20, now=0.0) is None  # the engine restores all 7
+    assert none.prefill.seconds(0, 10) > 0  # the compute queue's deadlines still need a cost model
+
+    ran = []
+
+    async def job():
+        ran.append(1)
+        return "written"
+
+    task = ImmediateWriteBacks().submit("acme", 1 << 40, job)  # no bound: never dropped
+    assert await task == "written" and ran == [1]

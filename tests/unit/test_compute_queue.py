@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from kvfs.engine.scheduler import ComputeQueue
+from kvfs.engine.compute_queue import ComputeQueue
 
 
 def test_jobs_run_by_deadline_then_arrival_one_at_a_time():
