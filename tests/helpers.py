@@ -74,23 +74,31 @@ async def restore_all(client, match, layout, **kw):
     return out, order, await restore.wait()
 
 
+def flip_bytes(path: pathlib.Path, *offsets: int) -> None:
+    """Inverts the byte at each of `offsets` in the file at `path`, fsyncs, and drops
+    the file's cached pages, so a server reading it (direct or buffered) sees the damage."""
+    with open(path, "r+b") as fh:
+        for offset in offsets:
+            fh.seek(offset)
+            byte = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        fh.flush()
+        os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def flip_stored_byte(data_dir: pathlib.Path, chunk: bytes, at: int) -> str | None:
     """Flips byte `at` of `chunk` where a chunkserver's slot files under `data_dir`
-    hold it (found by its first 4 KiB) and drops the cached pages, so the server
-    reads the damage from disk. Returns where it flipped, or None if not stored there."""
-    for slot_file in (data_dir / "slots").rglob("*.slots"):
-        with open(slot_file, "r+b") as fh:
-            pos = fh.read().find(chunk[:4096])
-            if pos < 0:
-                continue
-            fh.seek(pos + at)
-            byte = fh.read(1)
-            fh.seek(pos + at)
-            fh.write(bytes([byte[0] ^ 0xFF]))
-            fh.flush()
-            os.fsync(fh.fileno())
-        fd = os.open(slot_file, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        return f"{slot_file.relative_to(data_dir)}+{pos + at}"
+    hold it (found by its first 4 KiB), with flip_bytes. Returns where it flipped
+    ("slots/<class>/<file>.slots+<offset>"), or None if the chunk is not stored there."""
+    for slot_file in sorted((data_dir / "slots").rglob("*.slots")):
+        pos = slot_file.read_bytes().find(chunk[:4096])
+        if pos >= 0:
+            flip_bytes(slot_file, pos + at)
+            return f"{slot_file.relative_to(data_dir)}+{pos + at}"
     return None

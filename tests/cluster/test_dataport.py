@@ -13,7 +13,7 @@ from kvfs.errors import Unavailable
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
-from helpers import restore_all, tokens_for, wait_until
+from helpers import flip_bytes, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -50,16 +50,7 @@ async def test_every_transport_restores_byte_exact(local_cluster, mode):
 
 def flip_byte_in_every_chunk_on(server_dir):
     for slot_file in server_dir.glob("slots/*/*.slots"):
-        size = slot_file.stat().st_size
-        with open(slot_file, "r+b") as fh:
-            for off in range(1000, size, 1 << 20):  # one byte in every 1 MiB slot
-                fh.seek(off)
-                b = fh.read(1)
-                fh.seek(off)
-                fh.write(bytes([b[0] ^ 0x55]))
-        fd = os.open(slot_file, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        flip_bytes(slot_file, *range(1000, slot_file.stat().st_size, MiB))  # one byte in every 1 MiB slot
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

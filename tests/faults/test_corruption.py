@@ -1,30 +1,16 @@
 """Flip bytes in slot files: the server answers DATA_LOSS, never the bytes."""
 
 import os
-import pathlib
 
 import pytest
 
 from kvfs.client import ChunkClient
 from kvfs.errors import DataLoss
 
+from helpers import flip_stored_byte
+
 MiB = 1 << 20
 BLOCK = 64 * 1024
-
-
-def flip_byte(data_dir: pathlib.Path, file_offset: int, cls_kib: int) -> None:
-    (slot_file,) = (data_dir / "slots" / f"{cls_kib}k").glob("*.slots")
-    with open(slot_file, "r+b") as fh:
-        fh.seek(file_offset)
-        byte = fh.read(1)
-        fh.seek(file_offset)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-        fh.flush()
-        os.fsync(fh.fileno())
-    # drop cached pages so buffered readers see the disk
-    fd = os.open(slot_file, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
 
 
 @pytest.mark.parametrize("extra", [[], ["--io-mode", "buffered"], ["--io-engine", "preadv"]],
@@ -37,9 +23,9 @@ async def test_flipped_byte_is_data_loss_and_other_data_still_served(chunkserver
         await client.write(b"victim", victim)
         stat = await client.stat()
         assert stat.counters.checksum_errors == 0
-    # slots are handed out lowest first: "good" is slot 0, "victim" slot 1 of the 1 MiB class
-    flip_byte(tmp_path / "cs-1", MiB + 3 * BLOCK + 17, 1024)
-    print("injected: flipped one byte in block 3 of chunk 'victim'")
+    where = flip_stored_byte(tmp_path / "cs-1", victim, 3 * BLOCK + 17)
+    assert where is not None, "chunk 'victim' not found in cs-1's slot files"
+    print(f"injected: flipped one byte in block 3 of chunk 'victim' at {where}")
     async with ChunkClient(server.address) as client:
         with pytest.raises(DataLoss, match="checksum mismatch on cs-1"):
             await client.read_chunk(b"victim")

@@ -49,6 +49,7 @@ async def test_capacity_limit_refuses_writes_and_keeps_reads(chunkservers):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
+    """A 48 MiB tmpfs (mounting needs root: tests using it are marked `root`)."""
     mount = tmp_path / "small-disk"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)], check=True)
@@ -56,6 +57,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@pytest.mark.root
 async def test_full_filesystem_refuses_writes_and_keeps_reads(chunkservers, small_tmpfs):
     # capacity far above the disk: the filesystem, not the limit, runs out
     server = chunkservers(data_dir=small_tmpfs / "cs-1", capacity="10GiB", extra=["--reserve", "8MiB"])

@@ -19,6 +19,8 @@ from kvfs.layout import BlockLayout
 from conftest import FAST_META
 from helpers import restore_all, tokens_for, until, wait_until
 
+pytestmark = pytest.mark.root
+
 NS = Namespace("acme", "netns")
 MLA = BlockLayout.mla()
 

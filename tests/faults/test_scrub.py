@@ -4,7 +4,6 @@ that copy, and a block with no good copy left leaves lookups. Repair is paused
 (--repair-interval 1h) so what is asserted is the report, not the re-copy."""
 
 import os
-import pathlib
 
 import pytest
 
@@ -20,14 +19,6 @@ LAYOUT = BlockLayout(layers=4, block_tokens=64, kv_dim=512)  # 256 KiB blocks: o
 BLOCKS = 8
 SCRUB_FAST = ["--scrub-rate", "256MiB", "--scrub-interval", "300ms"]
 NO_REPAIR = ["--repair-interval", "1h"]
-
-
-def flip_in_chunk(data_dir: pathlib.Path, chunk: bytes, at: int) -> str:
-    """Flips one byte of `chunk` where it is stored in this server's slot files."""
-    where = flip_stored_byte(data_dir, chunk, at)
-    if where is None:
-        raise AssertionError(f"chunk not found in {data_dir}")
-    return where
 
 
 async def written(cluster, client):
@@ -59,7 +50,8 @@ async def test_scrub_removes_a_corrupt_copy_and_the_metaserver_stops_listing_it(
         tokens, blocks, match = await written(cluster, client)
         bad, good = holders(match, 3)
         chunk_id = match.blocks[3].chunks[0].chunk_id
-        where = flip_in_chunk(cluster.root / bad, blocks[3], 64 * 1024 + 100)
+        where = flip_stored_byte(cluster.root / bad, blocks[3], 64 * 1024 + 100)
+        assert where is not None, f"block 3's chunk not found in {bad}'s slot files"
         print(f"injected: flipped a byte in block 1 of chunk {chunk_id.hex()[:16]} (key 3) on {bad} at {where}")
 
         await until(lambda: _removed(cluster, bad), 30, f"{bad} to remove the corrupt chunk", interval=0.1)
@@ -94,7 +86,8 @@ async def test_corrupting_every_copy_drops_the_block_from_lookups(local_cluster)
     async with Client(cluster.meta_address) as client:
         tokens, blocks, match = await written(cluster, client)
         for sid in holders(match, 5):
-            flip_in_chunk(cluster.root / sid, blocks[5], 200 * 1024)
+            where = flip_stored_byte(cluster.root / sid, blocks[5], 200 * 1024)
+            assert where is not None, f"block 5's chunk not found in {sid}'s slot files"
         print(f"injected: flipped a byte of block 5's only chunk on both {holders(match, 5)}")
 
         async def dropped():
@@ -117,7 +110,8 @@ async def test_a_client_read_that_fails_its_checksum_also_removes_and_reports(lo
         tokens, blocks, match = await written(cluster, client)
         bad, good = holders(match, 2)
         chunk_id = match.blocks[2].chunks[0].chunk_id
-        flip_in_chunk(cluster.root / bad, blocks[2], 10)
+        where = flip_stored_byte(cluster.root / bad, blocks[2], 10)
+        assert where is not None, f"block 2's chunk not found in {bad}'s slot files"
         print(f"injected: flipped a byte of block 2's chunk on {bad}; scrubbing off")
         async with ChunkClient(server(cluster, bad).address) as c:
             with pytest.raises(DataLoss):

@@ -17,6 +17,8 @@ import threading
 import time
 from collections import Counter
 
+import pytest
+
 from kvfs.client import Client
 from kvfs.errors import KvfsError
 from kvfs.keys import Namespace, block_keys
@@ -131,6 +133,7 @@ async def replication_gaps(client: Client, prompts) -> int:
     return gaps
 
 
+@pytest.mark.slow  # KVFS_SOAK_SECONDS of chaos (60 by default) plus the heal
 async def test_soak_kills_and_restarts_chunkservers_under_concurrent_restores_and_writes(local_cluster):
     t_start = time.monotonic()
     seed = int(os.environ.get("KVFS_SOAK_SEED", random.randrange(1 << 30)))

@@ -8,6 +8,8 @@ import pytest
 from kvfs.chunkserver.scrub import PIECE, Pacer, Scrubber
 from kvfs.chunkserver.store import checksum
 
+from helpers import flip_bytes
+
 MiB = 1 << 20
 KiB = 1 << 10
 
@@ -42,14 +44,9 @@ class RecordingPacer(Pacer):
 
 
 def flip(store, chunk_id, at):
+    """Flips byte `at` of a chunk, found through the store's own index."""
     rec = store.get(chunk_id)
-    with open(store.slots.path(rec.slot.cls, rec.slot.file), "r+b") as fh:
-        fh.seek(rec.slot.offset + at)
-        byte = fh.read(1)
-        fh.seek(rec.slot.offset + at)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-        fh.flush()
-        os.fsync(fh.fileno())
+    flip_bytes(store.slots.path(rec.slot.cls, rec.slot.file), rec.slot.offset + at)
 
 
 async def stored(store, sizes):

@@ -20,6 +20,8 @@ from kvfs.keys import Namespace
 
 from helpers import flip_stored_byte, wait_until
 
+pytestmark = pytest.mark.vllm
+
 LOGPROB_TOL = 0.02
 PROMPT = [(37 * i + 11) % 1000 + 10 for i in range(200)]  # 3 full kvfs blocks + 8 tokens
 MATCHED = 192  # 3 kvfs blocks; also (200 - 1) // 16 * 16, the most vLLM may load
