@@ -38,6 +38,8 @@ class MetaserverConfig:
     repair_interval: float = duration_field(2.0, "how often servers back from silence are reconciled and "
                                             "chunks short of copies re-replicated")
     repair_rate: int = size_field(256 * MiB, "re-replication copies at most this many bytes per second")
+    cache_size: int = size_field(256 * MiB, "RocksDB block cache: metadata kept in memory beyond the OS page "
+                                 "cache (the metaserver holds nothing per block besides)")
     max_keys: int = option(100_000, "most keys in one MatchPrefix or AllocateBlocks")
     eviction_policy: str = option(DEFAULT_POLICY, "which cached blocks capacity eviction drops first, leaves "
                                   "before their parents: lfuda (least frequently used, aged) or lru",

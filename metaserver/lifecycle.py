@@ -1,5 +1,11 @@
-"""Background work: TTL and allocation expiry, capacity eviction, chunk deletion,
-orphan GC, rebuild.
+"""Background work: last-use flushes, TTL and allocation expiry, capacity
+eviction, chunk deletion, orphan GC, rebuild.
+
+Every pass runs on the event loop in slices of bounded work (MetaState's
+`*_slice` methods), yielding between them, so lookups and heartbeats are served
+in the gaps whatever the size of the cache. (A thread would not run beside the
+loop: rocksdict holds the GIL through its calls, so a thread only takes turns
+with the loop, at the interpreter's 5 ms switch interval.)
 
 This is the only part of the metaserver that calls chunkservers (through the
 generated stubs; servers never import the client).
@@ -8,7 +14,10 @@ generated stubs; servers never import the client).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -21,8 +30,16 @@ from .state import MetaState
 log = logging.getLogger(__name__)
 
 DELETE_BATCH = 1000
-LIST_PAGE = 5000
+LIST_PAGE = 1000
 RPC_TIMEOUT = 30
+SLICE = int(os.environ.get("KVFS_METASERVER_TEST_SLICE", 512))  # blocks one slice of a background pass touches
+FLUSH_EVERY = 1.0  # seconds between writing recorded hits back
+ORPHAN_SWEEP_RATE = 20_000  # chunks per second the background orphan sweep checks
+# Test hook: each background slice also blocks the event loop this many seconds, as
+# a pass over a huge cache on a slow disk might (tests/faults/test_slow_passes.py).
+SLICE_STALL = float(os.environ.get("KVFS_METASERVER_TEST_SLICE_STALL", 0))
+
+
 
 
 def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
@@ -41,6 +58,30 @@ class Lifecycle:
         self._lock = asyncio.Lock()
         self._deleting = asyncio.Lock()  # one delete pass at a time
         self._passes: set[asyncio.Task] = set()  # prompt passes in flight (the loop keeps weak references)
+        self._gate = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        """One slice of a background pass. Passes take turns (asyncio.Lock is fair), and
+        after each slice the loop is left to RPCs for as long as the slice took: all
+        background passes together take at most half of the event loop's time, so a
+        slow disk slows them, never lookups or heartbeats."""
+        async with self._gate:
+            t0 = time.perf_counter()
+            yield
+            if SLICE_STALL:
+                time.sleep(SLICE_STALL)
+            await asyncio.sleep(time.perf_counter() - t0)
+
+    async def drain(self, step, *args) -> int:
+        """Runs `step(*args)` (returning work done) a turn at a time until it does none."""
+        total = 0
+        while True:
+            async with self.turn():
+                n = step(*args)
+            if not n:
+                return total
+            total += n
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -98,66 +139,111 @@ class Lifecycle:
         except Exception:  # the next round retries
             log.exception("delete pass failed")
 
-    async def _inventory(self, server_id: str):
-        """Every chunk on a server, page by page."""
+    async def _inventory_pages(self, server_id: str):
+        """Every chunk on a server, a page (LIST_PAGE chunks) at a time."""
         stub = self._stub(server_id)
         after = b""
         while True:
             reply = await stub.ListChunks(chunk_pb2.ListChunksRequest(start_after=after, limit=LIST_PAGE),
                                           timeout=RPC_TIMEOUT)
-            for info in reply.chunks:
-                yield info
+            yield reply.chunks
             if not reply.next_start_after:
                 return
             after = reply.next_start_after
 
-    async def _collect_orphans(self) -> None:
+    async def _collect_orphans(self, server_id: str, pace: float = 0.0) -> int:
+        """Queues for deletion the chunks on one server that no committed block lists
+        there and no open allocation holds, once older than `gc_grace` (a writer that
+        crashed). A page at a time, `pace` seconds apart. Returns chunks checked."""
         now = self.state.clock()
         open_chunks = self.state.open_allocation_chunks()
-        for sid in self.state.live_servers():
-            try:
-                async for info in self._inventory(sid):
-                    if now - info.created < self.state.cfg.gc_grace:
-                        continue
-                    if not self.state.is_referenced(info.chunk_id, parse_owner(info.owner), open_chunks, sid):
-                        self.queue_deletes([meta_pb2.StoredChunk(chunk_id=info.chunk_id, length=info.length,
-                                                                 servers=[sid])])
-            except grpc.aio.AioRpcError as err:
-                log.warning("listing chunks on %s failed (%s); orphan GC skips it this round", sid, err.code().name)
+        checked = 0
+        try:
+            async for page in self._inventory_pages(server_id):
+                async with self.turn():
+                    for info in page:
+                        if now - info.created < self.state.cfg.gc_grace:
+                            continue
+                        if not self.state.is_referenced(info.chunk_id, parse_owner(info.owner), open_chunks,
+                                                        server_id):
+                            self.queue_deletes([meta_pb2.StoredChunk(chunk_id=info.chunk_id, length=info.length,
+                                                                     servers=[server_id])])
+                checked += len(page)
+                await asyncio.sleep(pace)
+        except grpc.aio.AioRpcError as err:
+            log.warning("listing chunks on %s failed (%s); orphan GC skips it this time", server_id,
+                        err.code().name)
+        return checked
 
-    async def run_once(self) -> meta_pb2.RunLifecycleReply:
+    async def sweep_orphans_forever(self) -> None:
+        """Orphan GC in the background: one live server after another, at most
+        ORPHAN_SWEEP_RATE chunks checked per second, so a full sweep of a large
+        cluster takes a while and never crowds out lookups."""
+        while True:
+            await asyncio.sleep(self.state.cfg.lifecycle_interval)
+            for sid in list(self.state.live_servers()):
+                try:
+                    await self._collect_orphans(sid, pace=LIST_PAGE / ORPHAN_SWEEP_RATE)
+                    await self._delete_queued()
+                except Exception:  # the next sweep retries
+                    log.exception("orphan sweep of %s failed", sid)
+
+    async def run_once(self, orphans: bool = True) -> meta_pb2.RunLifecycleReply:
         """One round: expire blocks and allocations, evict past the high watermark,
-        find orphans, delete garbage."""
+        (with `orphans`) find orphans on every live server, delete garbage."""
         async with self._lock:
             self.state.refresh_liveness()
-            self.state.flush_last_used()
-            expired = self.state.expire_blocks()
-            n_expired = len({c.chunk_id for c in expired})
+            await self.drain(self.state.flush_slice, SLICE)
+            n_expired = 0
+            while not self.state.deletes_backed_up():
+                async with self.turn():
+                    removed, chunks = self.state.expire_slice(SLICE)
+                    self.queue_deletes(chunks)
+                n_expired += len({c.chunk_id for c in chunks})
+                if not removed:
+                    break
             n_allocs, abandoned = self.state.expire_allocations()
-            self.queue_deletes(expired)
             self.queue_deletes(abandoned)
-            self.state.make_room()  # capacity may have shrunk (a server left) since the last write
-            await self._collect_orphans()
+            # capacity may have shrunk (a server left) since the last write
+            while not self.state.deletes_backed_up() and await self._evict_turn():
+                pass
+            if orphans:
+                for sid in list(self.state.live_servers()):
+                    await self._collect_orphans(sid)
             deleted = await self._delete_queued()
-            if expired or n_allocs or deleted:
+            if n_expired or n_allocs or deleted:
                 log.info("lifecycle: %d chunks of expired blocks, %d expired allocations, %d chunks deleted",
                          n_expired, n_allocs, deleted)
-            return meta_pb2.RunLifecycleReply(expired_blocks=self.state.expired_blocks, expired_allocations=n_allocs,
-                                              deleted_chunks=deleted)
+            return meta_pb2.RunLifecycleReply(expired_blocks=self.state.expired_blocks,
+                                              expired_allocations=n_allocs, deleted_chunks=deleted)
+
+    async def _evict_turn(self) -> int:
+        async with self.turn():
+            return self.state.evict_slice(SLICE)
 
     async def run_forever(self) -> None:
         while True:
             await asyncio.sleep(self.state.cfg.lifecycle_interval)
             try:
-                await self.run_once()
+                await self.run_once(orphans=False)  # orphans: sweep_orphans_forever, at its own pace
             except Exception:  # keep the loop alive; the next round retries
                 log.exception("lifecycle round failed")
 
-    async def flush_forever(self, every: float = 5.0) -> None:
+    async def flush_forever(self) -> None:
+        """Writes recorded hits back, checks liveness, and keeps eviction going
+        between the watermarks: a slice at a time, every FLUSH_EVERY seconds."""
         while True:
-            await asyncio.sleep(every)
-            self.state.flush_last_used()
-            self.state.refresh_liveness()
+            await asyncio.sleep(FLUSH_EVERY)
+            try:
+                await self.drain(self.state.flush_slice, SLICE)
+                self.state.refresh_liveness()
+                evicted = 0
+                while not self.state.deletes_backed_up() and (n := await self._evict_turn()):
+                    evicted += n
+                if evicted:
+                    await self._delete_queued()
+            except Exception:
+                log.exception("flush round failed")
 
     async def rebuild(self) -> meta_pb2.RebuildReply:
         """Reconstructs committed blocks from the live servers' inventories."""
@@ -165,19 +251,21 @@ class Lifecycle:
             found: dict[bytes, dict] = {}
             seen = 0
             for sid in self.state.live_servers():
-                async for info in self._inventory(sid):
-                    seen += 1
-                    owner = parse_owner(info.owner)
-                    if owner is None or not owner.block_key:
-                        continue
-                    entry = found.setdefault(owner.namespace_digest + owner.block_key,
-                                             {"owner": owner, "chunks": {}})
-                    have = entry["chunks"].get(owner.chunk_index)
-                    if have is None:
-                        entry["chunks"][owner.chunk_index] = (info.chunk_id, info.length, info.checksum,
-                                                              info.created, [sid])
-                    elif have[0] == info.chunk_id:
-                        have[4].append(sid)
+                async for page in self._inventory_pages(sid):
+                    for info in page:  # collecting only: restore_blocks below writes in batches
+                        seen += 1
+                        owner = parse_owner(info.owner)
+                        if owner is None or not owner.block_key:
+                            continue
+                        entry = found.setdefault(owner.namespace_digest + owner.block_key,
+                                                 {"owner": owner, "chunks": {}})
+                        have = entry["chunks"].get(owner.chunk_index)
+                        if have is None:
+                            entry["chunks"][owner.chunk_index] = (info.chunk_id, info.length, info.checksum,
+                                                                  info.created, [sid])
+                        elif have[0] == info.chunk_id:
+                            have[4].append(sid)
+                    await asyncio.sleep(0)
             restored, incomplete = self.state.restore_blocks(found)
             log.info("rebuild: %d chunks seen, %d blocks restored, %d incomplete", seen, restored, incomplete)
             return meta_pb2.RebuildReply(blocks_restored=restored, blocks_incomplete=incomplete, chunks_seen=seen)

@@ -9,14 +9,13 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.proto import meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
 from .repair import Repairer
-from .service import MetaServicer
+from .service import MetaServicer, add_to_server
 from .state import MetaState
 
 log = logging.getLogger("kvfs.metaserver")
@@ -32,7 +31,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(state, lifecycle), server)
+    add_to_server(MetaServicer(state, lifecycle), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
@@ -43,7 +42,7 @@ async def serve(cfg: MetaserverConfig) -> None:
              100 * cfg.evict_low)
     write_ready_file(cfg.ready_file, address)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
-             asyncio.create_task(repairer.run_forever())]
+             asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever())]
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()

@@ -18,6 +18,11 @@ Copies are paced to `repair_rate` bytes/s so that restores keep the disks and
 network, and stop when a server comes back (it is reconciled first; it may hold
 them). Nothing is repaired in the first rounds after the metaserver starts, or
 after it stalled past a heartbeat timeout, while servers are still checking in.
+
+A round looks only where copies may be missing: the blocks listed on servers
+that are not live (the replica index) and the blocks known short of copies
+(placed short, or a copy reported lost), a slice of SLICE blocks at a time with
+the event loop served between slices.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import grpc
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
-from .lifecycle import RPC_TIMEOUT, Lifecycle, parse_owner
+from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle, parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)
@@ -74,11 +79,40 @@ class Repairer:
         if now - self.started < 2 * timeout:
             return
         self.state.refresh_liveness()
-        repairs, lost = self.state.under_replicated()
+        lost, wanting = [], 0
+        work = self._slices()
+        while True:
+            async with self.lifecycle.turn():
+                found = next(work, None)
+            if found is None:
+                break
+            repairs, lost_here = found
+            lost += lost_here
+            wanting += len(repairs)
+            if repairs:
+                await self._copy_all(repairs)  # paced RPCs: other passes take their turns meanwhile
+            if self.state.to_reconcile():
+                break  # reconcile it first (it may hold copies), then look again
         self.lifecycle.queue_deletes(self.state.drop_lost_blocks(self._lost_for_good(lost, now)))
-        self.under_replicated = len(repairs)
-        if repairs:
-            await self._copy_all(repairs)
+        if wanting:
+            log.info("repair: %d chunks were short of copies this round; %d copied so far", wanting,
+                     self.copied_chunks)
+        self.under_replicated = wanting
+
+    def _slices(self):
+        """(repairs, lost blocks) a slice at a time: blocks on servers not live, then
+        blocks known short of copies."""
+        blocks = self.state.blocks
+        sources = [(lambda after, n=n: blocks.blocks_on(n, after, SLICE)) for n in self.state.members.dead_numbers()]
+        sources.append(lambda after: blocks.short_blocks(SLICE, after))
+        for source in sources:
+            after = b""
+            while fulls := source(after):
+                repairs, lost, whole = blocks.check_replicas(fulls)
+                blocks.replicated(whole)
+                repairs.sort(key=lambda r: len(r.holders))
+                yield repairs, lost
+                after = fulls[-1]
 
     def _lost_for_good(self, lost: list[bytes], now: float) -> list[bytes]:
         """Of the blocks with a chunk no live server holds, those that have been so for
@@ -103,9 +137,10 @@ class Repairer:
     async def _reconcile(self, sid: str) -> None:
         stale = []
         try:
-            async for info in self.lifecycle._inventory(sid):
-                if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid):
-                    stale.append(info.chunk_id)
+            async for page in self.lifecycle._inventory_pages(sid):
+                async with self.lifecycle.turn():
+                    stale += [info.chunk_id for info in page
+                              if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid)]
             await self.lifecycle.delete_on(sid, stale)
         except grpc.aio.AioRpcError as err:
             log.warning("reconciling %s failed (%s); it stays out until the next round", sid, err.code().name)
@@ -130,8 +165,8 @@ class Repairer:
                     await asyncio.sleep(ahead)
 
         await asyncio.gather(*(one(r) for r in repairs))
-        log.info("repair: %d chunks short of copies; %d bytes copied in %.1fs", len(repairs), moved,
-                 loop.time() - t0)
+        log.debug("repair: %d chunks short of copies; %d bytes copied in %.1fs", len(repairs), moved,
+                  loop.time() - t0)
 
     async def _copy(self, r: Repair) -> int:
         """New copies of one chunk until it has `replicas` live ones; bytes copied."""
@@ -143,8 +178,8 @@ class Repairer:
                 break  # nowhere to put it now; a later round retries
             source = self.state.servers[random.choice(r.holders)].record.address
             owner = meta_pb2.ChunkOwner(namespace_digest=r.full_key[:-KEY_BYTES], block_key=r.full_key[-KEY_BYTES:],
-                                        chunk_index=r.index, chunk_count=r.count, layout=r.record.layout,
-                                        ttl_class=r.record.ttl_class, chunk_size=self.state.cfg.chunk_size)
+                                        chunk_index=r.index, chunk_count=r.count, layout=r.layout,
+                                        ttl_class=r.ttl_class, chunk_size=self.state.cfg.chunk_size)
             try:
                 await self.lifecycle._stub(target).CopyChunk(chunk_pb2.CopyChunkRequest(
                     chunk_id=r.chunk.chunk_id, source=source, length=r.chunk.length, checksum=r.chunk.checksum,

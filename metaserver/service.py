@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from kvfs.errors import InvalidArgument
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -24,6 +26,24 @@ def namespace_digest(msg: meta_pb2.Namespace) -> bytes:
     return Namespace(msg.tenant, msg.model, msg.cache_format).digest
 
 
+SERVICE = "kvfs.meta.MetaService"
+RAW_REPLIES = {"MatchPrefix"}  # their handlers return the reply already serialized
+
+
+def add_to_server(servicer: MetaServicer, server) -> None:
+    """What the generated add_MetaServiceServicer_to_server does, except that the
+    methods in RAW_REPLIES send the bytes their handler returns as they are."""
+    handlers = {}
+    for method in meta_pb2.DESCRIPTOR.services_by_name["MetaService"].methods:
+        request = getattr(meta_pb2, method.input_type.name)
+        reply = getattr(meta_pb2, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=request.FromString,
+            response_serializer=bytes if method.name in RAW_REPLIES else reply.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def __init__(self, state: MetaState, lifecycle: Lifecycle):
         self.state = state
@@ -32,6 +52,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     async def Register(self, request, context):
         self.state.register(request)
+        await self.state.durable()
         return meta_pb2.RegisterReply(heartbeat_interval_s=self.state.cfg.heartbeat_interval)
 
     @handles_errors
@@ -52,6 +73,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         evicted = self.state.evicted_blocks
         reply = self.state.allocate(namespace_digest(request.namespace), list(request.keys), request.layout,
                                     request.parent)
+        await self.state.durable()
         await self._free_evicted(evicted)
         return reply
 
@@ -60,23 +82,24 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         evicted = self.state.evicted_blocks
         committed, already, garbage = self.state.commit(namespace_digest(request.namespace), request)
         self.lifecycle.queue_deletes(garbage)
+        await self.state.durable()
         await self._free_evicted(evicted)
         return meta_pb2.CommitBlocksReply(committed=committed, already_present=already)
 
     @handles_errors
     async def MatchPrefix(self, request, context):
-        return self.state.match(namespace_digest(request.namespace), list(request.keys))
+        return self.state.match_bytes(namespace_digest(request.namespace), list(request.keys))
 
     @handles_errors
     async def Status(self, request, context):
         st = self.state
         now = st.clock()
-        reply = meta_pb2.StatusReply(blocks=len(st.blocks), block_bytes=sum(b.nbytes for b in st.blocks.values()),
+        reply = meta_pb2.StatusReply(blocks=st.blocks.blocks, block_bytes=st.blocks.payload_bytes,
                                      replicas=st.cfg.replicas, chains=len(st.chains),
-                                     open_allocations=len(st.allocations), expired_blocks=st.expired_blocks,
+                                     open_allocations=len(st.allocations.open), expired_blocks=st.expired_blocks,
                                      gc_deleted_chunks=st.gc_deleted_chunks, blocks_lost=st.blocks_lost,
                                      replicas_lost=st.replicas_lost, evicted_blocks=st.evicted_blocks,
-                                     stranded_blocks=st.stranded_blocks, cache_bytes=st.policy.used_bytes,
+                                     stranded_blocks=st.stranded_blocks, cache_bytes=st.cache_bytes,
                                      cache_capacity_bytes=st.capacity_bytes())
         for sid in sorted(st.servers):
             s = st.servers[sid]

@@ -326,22 +326,6 @@ class StoredChunk(_message.Message):
     servers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class BlockRecord(_message.Message):
-    __slots__ = ("layout", "chunks", "ttl_class", "created", "last_used", "parent")
-    LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
-    CREATED_FIELD_NUMBER: _ClassVar[int]
-    LAST_USED_FIELD_NUMBER: _ClassVar[int]
-    PARENT_FIELD_NUMBER: _ClassVar[int]
-    layout: BlockLayout
-    chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
-    ttl_class: str
-    created: float
-    last_used: float
-    parent: bytes
-    def __init__(self, layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., ttl_class: _Optional[str] = ..., created: _Optional[float] = ..., last_used: _Optional[float] = ..., parent: _Optional[bytes] = ...) -> None: ...
-
 class AllocationRecord(_message.Message):
     __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -359,15 +343,17 @@ class AllocationRecord(_message.Message):
     def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
-    __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address")
+    __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address", "number")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     failure_domain: str
     capacity_bytes: int
     data_address: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    number: int
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...

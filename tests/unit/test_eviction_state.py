@@ -3,6 +3,10 @@
 Every block here is one 256-byte chunk, which a chunkserver stores in a 64 KiB
 slot; three servers of 2 MiB with two replicas hold 48 such blocks, so the
 high watermark (90%) is at 43.2 blocks and the low one (80%) at 38.4.
+
+After every scenario the database is checked whole: each row's index entries
+(expiry, eviction for leaves only, children, replicas) exist and nothing else
+does, the counters add up, and every block's parent is stored.
 """
 
 import dataclasses
@@ -12,7 +16,9 @@ import pytest
 
 from kvfs.metaserver.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
+from kvfs.metaserver import records
 from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
+from kvfs.metaserver.records import Row
 from kvfs.proto import meta_pb2
 
 from helpers import Clock
@@ -50,20 +56,35 @@ def serve(state, keys, ttl_class="chat"):
     return write(state, keys, matched, ttl_class)
 
 
-def stored_parents(state) -> dict[bytes, bytes]:
-    """Every block record in RocksDB: full key -> its parent's full key (b"" for a root)."""
-    out = {}
-    for key, raw in state.db.items():
-        if key[:1] == b"b":
-            rec = meta_pb2.BlockRecord.FromString(raw)
-            out[key[1:]] = NS.digest + rec.parent if rec.parent else b""
-    return out
+def rows(state) -> dict[bytes, Row]:
+    return {k[1:]: Row.decode(v) for k, v in state.db.scan(records.BLOCK)}
 
 
-def assert_prefix_closed(state):
-    parents = stored_parents(state)
-    assert set(parents) == set(state.blocks) == set(state.policy.blocks)
-    assert all(p == b"" or p in parents for p in parents.values()), "a cached block lost its parent"
+def keys_under(state, prefix: bytes) -> set[bytes]:
+    return {k for k, _ in state.db.scan(prefix)}
+
+
+def assert_consistent(state):
+    """Rows, indexes and counters agree, and the cached set is closed under "parent of"."""
+    stored = rows(state)
+    parent = {f: f[:16] + r.parent for f, r in stored.items() if r.parent}
+    assert all(p in stored for p in parent.values()), "a cached block lost its parent"
+    children = {(p, f) for f, p in parent.items()}
+    assert keys_under(state, records.CHILD) == {records.child_key(p, f) for p, f in children}
+    leaves = set(stored) - set(parent.values())
+    assert keys_under(state, records.VICTIM) == {records.victim_key(r.rank, r.last_used, r.depth, f)
+                                                 for f, r in stored.items() if f in leaves}
+    assert keys_under(state, records.EXPIRY) == {records.expiry_key(r.last_used + r.ttl, f)
+                                                 for f, r in stored.items()}
+    assert keys_under(state, records.REPLICA) == {records.replica_key(n, f) for f, r in stored.items()
+                                                  for n in r.servers}
+    assert len(state.blocks) == len(stored)
+    assert state.cache_bytes == sum(r.footprint for r in stored.values())
+    assert all(r.depth == (stored[parent[f]].depth + 1 if f in parent else 0) for f, r in stored.items())
+
+
+def cached(state, keys) -> list[bool]:
+    return [state.blocks.row(NS.digest + k) is not None for k in keys]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -74,21 +95,19 @@ def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low
     for i in range(9):  # 4 + 9 * 4 = 40 blocks: under the high watermark
         clock.now = 1000 + i
         assert serve(state, conversation(i))[0] == (8 if i == 0 else 4)
-    assert state.evicted_blocks == 0 and state.policy.used_bytes == 40 * BLOCK
+    assert state.evicted_blocks == 0 and state.cache_bytes == 40 * BLOCK
     clock.now = 1009.5
     assert state.match(NS.digest, conversation(0)).matched == 8  # the oldest conversation, used again
-    chosen = []
-    victims = state.policy.victims
-    state.policy.victims = lambda *a, **kw: chosen.extend(victims(*a, **kw)) or chosen
+    state.flush_last_used()
     clock.now = 1010
     assert serve(state, conversation(9))[0] == 4  # 44 blocks would pass 43.2: eviction, not failure
     # down to the low watermark (38.4 blocks) with the incoming ones counted: 6 blocks go,
     # the least recently used leaves first, each block after its children
     c1, c2 = conversation(1), conversation(2)
-    assert chosen == [NS.digest + k for k in (c1[7], c1[6], c1[5], c1[4], c2[7], c2[6])]
     assert state.evicted_blocks == 6
-    assert state.policy.used_bytes == 38 * BLOCK <= 0.8 * state.capacity_bytes()
-    assert_prefix_closed(state)
+    assert cached(state, c1) == [True] * 4 + [False] * 4 and cached(state, c2) == [True] * 6 + [False] * 2
+    assert state.cache_bytes == 38 * BLOCK <= 0.8 * state.capacity_bytes()
+    assert_consistent(state)
     queued = {cid for q in state.undeleted.values() for cid in q}
     assert len(queued) == 6  # their chunks wait for the lifecycle's delete pass
     assert state.match(NS.digest, conversation(0)).matched == 8  # recently matched: kept
@@ -112,14 +131,14 @@ def test_expiry_of_a_parent_drops_its_descendants_and_their_pending_commits(make
     assert (state.expired_blocks, state.stranded_blocks) == (4, 4)
     assert len({cid for q in state.undeleted.values() for cid in q}) == 4  # the descendants' chunks, queued
     assert state.match(NS.digest, keys).matched == 0 and state.match(NS.digest, other).matched == 4
-    assert set(state.policy.blocks) == {NS.digest + k for k in other}
-    assert_prefix_closed(state)
+    assert set(rows(state)) == {NS.digest + k for k in other}
+    assert_consistent(state)
     # a write that allocated under the expired prefix: nothing could reach its block, so it is not kept
     req = meta_pb2.CommitBlocksRequest(allocation_id=pending.allocation_id)
     req.blocks.add(key=pending.blocks[0].key, chunk_checksums=[7])
     committed, already, garbage = state.commit(NS.digest, req)
     assert (committed, already) == (0, 0) and {c.chunk_id for c in garbage} == {pending.blocks[0].chunks[0].chunk_id}
-    assert_prefix_closed(state)
+    assert_consistent(state)
 
 
 def test_a_lost_block_takes_its_descendants_along(make_state):
@@ -129,49 +148,53 @@ def test_a_lost_block_takes_its_descendants_along(make_state):
     garbage = state.drop_lost_blocks([NS.digest + keys[5]])
     assert len(garbage) == 1 and (state.blocks_lost, state.stranded_blocks) == (1, 2)
     assert state.match(NS.digest, keys).matched == 5
-    assert_prefix_closed(state)
+    assert_consistent(state)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_reload_rebuilds_the_same_cached_set_and_keeps_evicting_leaves_first(make_state, policy):
+def test_reopening_keeps_the_cached_set_and_keeps_evicting_leaves_first(make_state, policy):
     clock = Clock()
     state = make_state(clock, policy)
     for i in range(12):
         clock.now = 1000 + i
         serve(state, conversation(i))
     assert state.evicted_blocks > 0
-    before = {k: b.parent for k, b in state.policy.blocks.items()}
-    used = state.policy.used_bytes
+    state.flush_last_used()  # what close() does too: recorded hits are written back
+    before = {f: (r.parent, r.rank, r.hits) for f, r in rows(state).items()}
+    used = state.cache_bytes
     state.close()
     state = make_state(clock, policy, register=False)  # servers come back from the database
-    assert {k: b.parent for k, b in state.policy.blocks.items()} == before
-    assert state.policy.used_bytes == used and state.capacity_bytes() == 48 * BLOCK
+    assert {f: (r.parent, r.rank, r.hits) for f, r in rows(state).items()} == before
+    assert state.cache_bytes == used and state.capacity_bytes() == 48 * BLOCK
     for i in range(12, 20):
         clock.now = 1000 + i
         assert serve(state, conversation(i))[0] == 4
-        assert state.policy.used_bytes <= 0.9 * state.capacity_bytes()
+        assert state.cache_bytes <= 0.9 * state.capacity_bytes()
     assert state.match(NS.digest, conversation(19)).matched == 8
-    assert_prefix_closed(state)
+    assert_consistent(state)
 
 
-def test_at_load_blocks_without_their_parent_are_dropped_and_old_records_are_roots(make_state):
+def test_blocks_stranded_by_a_crash_are_never_matched_and_go_at_their_ttl(make_state):
     clock = Clock()
     state = make_state(clock)
     keys = conversation(0)
-    write(state, keys)
-    # a record from before parents were kept: the block is a root to eviction
-    legacy = block_keys(NS, list(range(200, 204)), 4)[0]
-    rec = meta_pb2.BlockRecord.FromString(state.db[b"b" + NS.digest + keys[0]])
-    rec.ClearField("parent")
-    state.db[b"b" + NS.digest + legacy] = rec.SerializeToString()
-    del state.db[b"b" + NS.digest + keys[5]]  # as if a crash had lost one block and not its children
+    write(state, keys[:4], ttl_class="chat")
+    write(state, keys, 4, ttl_class="short")
+    # a crash between removing a block and dropping its children (drop_stranded) leaves them
+    # in the database without their parent: as if keys[5] had gone alone
+    gone = NS.digest + keys[5]
+    row = state.blocks.row(gone)
+    for key in (records.BLOCK + gone, records.expiry_key(row.last_used + row.ttl, gone),
+                records.child_key(NS.digest + keys[4], gone),
+                *(records.replica_key(n, gone) for n in row.servers)):
+        del state.db.db[key]
     state.close()
     state = make_state(clock, register=False)
-    assert state.stranded_blocks == 2  # keys[6] and keys[7], unreachable
-    assert set(state.policy.blocks) == {NS.digest + k for k in [*keys[:5], legacy]}
-    assert state.policy.blocks[NS.digest + legacy].parent is None
-    assert len({cid for q in state.undeleted.values() for cid in q}) == 2
-    assert_prefix_closed(state)
+    assert state.match(NS.digest, keys).matched == 5  # keys[6] and keys[7] are unreachable
+    clock.now += 11
+    state.expire_blocks()
+    assert not any(cached(state, keys[4:])) and all(cached(state, keys[:4]))
+    assert not keys_under(state, records.CHILD + gone)  # the stranded blocks' own index entries went too
 
 
 def test_placement_counts_queued_deletes_as_free_until_a_heartbeat_shows_them_gone(make_state):
@@ -207,13 +230,13 @@ def test_open_allocations_pin_their_parents(make_state):
     for i in range(1, 12):
         clock.now += 1
         write(state, block_keys(NS, [i] * 16, 4))
-    assert state.evicted_blocks > 0 and NS.digest + keys[3] in state.policy
+    assert state.evicted_blocks > 0 and all(cached(state, keys[:4]))
     req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
     for b in alloc.blocks:
         req.blocks.add(key=b.key, chunk_checksums=[7])
     assert state.commit(NS.digest, req)[0] == 4
     assert state.match(NS.digest, keys).matched == 8
-    assert_prefix_closed(state)
+    assert_consistent(state)
 
 
 def test_config_choices_are_the_policies():

@@ -1,0 +1,187 @@
+"""Writes: allocate chunks for new blocks, then commit them once every replica is written.
+
+Open allocations are few (writes in flight, each gone within
+`allocation_timeout`), so they are kept in memory as well as in RocksDB.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rocksdict import WriteBatch
+
+from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvfs.keys import KEY_BYTES
+from kvfs.proto import meta_pb2
+
+from .blocks import BlockTable, footprint, layout_of
+from .chains import Placer
+from .config import MetaserverConfig
+from .db import MetaDB
+from .membership import Membership
+from .records import ALLOC, Row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Allocation:
+    record: meta_pb2.AllocationRecord
+    chunk_ids: set[bytes] = field(default_factory=set)
+    footprint: int = 0  # what its blocks will take of capacity once committed, per replica
+
+    @classmethod
+    def of(cls, record: meta_pb2.AllocationRecord) -> Allocation:
+        return cls(record, {c.chunk_id for c in record.chunks}, footprint(record.chunks))
+
+
+def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
+    keys = list(keys)
+    if len(keys) > max_keys:
+        raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {max_keys}")
+    bad = [k for k in keys if len(k) != KEY_BYTES]
+    if bad:
+        raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes; got one of {len(bad[0])}")
+    return keys
+
+
+class Allocations:
+    def __init__(self, cfg: MetaserverConfig, db: MetaDB, members: Membership, blocks: BlockTable,
+                 clock: Callable[[], float]):
+        self.cfg = cfg
+        self.db = db
+        self.members = members
+        self.blocks = blocks
+        self.clock = clock
+        self.open: dict[bytes, Allocation] = {}
+        for key, raw in db.scan(ALLOC):
+            self.open[key[1:]] = Allocation.of(meta_pb2.AllocationRecord.FromString(raw))
+
+    def incoming_bytes(self) -> int:
+        return sum(a.footprint for a in self.open.values())
+
+    def pinned(self) -> set[bytes]:
+        """The parents of open allocations' blocks: their commits need them."""
+        return {a.record.namespace_digest + p for a in self.open.values() for p in a.record.parents if p}
+
+    def chunk_ids(self) -> set[bytes]:
+        return set().union(*(a.chunk_ids for a in self.open.values()))
+
+    def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg, parent: bytes,
+                 make_room: Callable[[int, set[bytes]], object]) -> meta_pb2.AllocateBlocksReply:
+        """Places the chunks of the keys not committed yet. `parent` is the key before
+        keys[0] (empty: keys[0] is a prompt's first block)."""
+        keys = check_keys(keys, "AllocateBlocks", self.cfg.max_keys)
+        if parent and len(parent) != KEY_BYTES:
+            raise InvalidArgument(f"parent must be a {KEY_BYTES}-byte block key; got {len(parent)} bytes")
+        layout = layout_of(layout_msg)
+        self.members.refresh_liveness()
+        spans = layout.chunks(self.cfg.chunk_size)
+        present = self.blocks.rows([namespace_digest + k for k in keys])
+        new = sum(p is None for p in present)
+        # room first: placement then counts the evicted chunks' space as free
+        make_room(new * footprint(spans), {namespace_digest + k for k in (parent, *keys) if k})
+        live = self.members.live_servers()
+        placer = Placer(self.members.chains, {sid: self.members.free_bytes(s) for sid, s in live.items()})
+        alloc_id = os.urandom(16)
+        reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
+                                             chunk_size=self.cfg.chunk_size)
+        record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
+                                           expires_at=self.clock() + self.cfg.allocation_timeout)
+        prev = parent
+        for key, existing in zip(keys, present):
+            block = reply.blocks.add(key=key)
+            block_parent, prev = prev, key
+            if existing is not None:
+                block.already_present = True
+                continue
+            record.keys.append(key)
+            record.parents.append(block_parent)
+            for span, chain in zip(spans, placer.place_block([s.length for s in spans])):
+                cid = os.urandom(16)
+                block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
+                                 addresses=[live[s].record.address for s in chain])
+                record.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain)
+                for s in chain:
+                    live[s].pending_bytes += span.length
+        if record.keys:
+            self.db.put(ALLOC + alloc_id, record.SerializeToString())
+            self.open[alloc_id] = Allocation.of(record)
+        return reply
+
+    def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
+               make_room: Callable[[int, set[bytes]], object]) -> tuple[int, int, list]:
+        """Commits blocks of an allocation; returns (committed, already present,
+        chunks that became garbage: those of blocks someone else committed first,
+        and of blocks whose parent expired meanwhile, which nothing could reach)."""
+        alloc = self.open.get(req.allocation_id)
+        if alloc is None:
+            raise NotFound("allocation not found: it expired or was committed already; allocate again")
+        if alloc.record.namespace_digest != namespace_digest:
+            raise FailedPrecondition("allocation belongs to another namespace")
+        ttl_class = req.ttl_class or self.cfg.default_ttl_class
+        if ttl_class not in self.blocks.ttls:
+            raise InvalidArgument(f"unknown TTL class {ttl_class!r}; known: {', '.join(self.blocks.ttls)}")
+        chunks_by_key: dict[bytes, list] = {}
+        parents: dict[bytes, bytes] = {}  # allocations from before parents were recorded have none: roots
+        per_block = len(alloc.record.chunks) // max(1, len(alloc.record.keys))
+        for i, key in enumerate(alloc.record.keys):
+            chunks_by_key[key] = list(alloc.record.chunks[i * per_block : (i + 1) * per_block])
+            parents[key] = alloc.record.parents[i] if i < len(alloc.record.parents) else b""
+        keys = check_keys((b.key for b in req.blocks), "CommitBlocks", self.cfg.max_keys)
+        unknown = [k for k in keys if k not in chunks_by_key]
+        if unknown:
+            raise InvalidArgument(f"block {unknown[0].hex()} is not part of this allocation")
+        for block in req.blocks:
+            if len(block.chunk_checksums) != len(chunks_by_key[block.key]):
+                raise InvalidArgument(f"block {block.key.hex()}: {len(block.chunk_checksums)} checksums "
+                                      f"for {len(chunks_by_key[block.key])} chunks")
+        order = {k: i for i, k in enumerate(alloc.record.keys)}
+        blocks = sorted(req.blocks, key=lambda b: order[b.key])  # parents before their children
+        present = self.blocks.rows([namespace_digest + b.key for b in blocks])
+        outside = sorted({parents[b.key] for b in blocks if parents[b.key]})
+        parent_present = dict(zip(outside, self.blocks.rows([namespace_digest + p for p in outside])))
+        now = self.clock()
+        committed, already, garbage = 0, 0, []
+        new: dict[bytes, Row] = {}
+        for block, existing in zip(blocks, present):
+            chunks = chunks_by_key.pop(block.key)
+            full = namespace_digest + block.key
+            if existing is not None or full in new:
+                already += 1  # first writer wins; this writer's chunks are garbage
+                garbage += chunks
+                continue
+            parent = parents[block.key]
+            if parent and namespace_digest + parent not in new and parent_present.get(parent) is None:
+                garbage += chunks  # its parent expired or was lost since the allocation
+                continue
+            stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
+                      for c, xxh in zip(chunks, block.chunk_checksums)]
+            new[full] = self.blocks.new_row(full, alloc.record.layout, stored, parent, ttl_class, now)
+            committed += 1
+        for leftover in chunks_by_key.values():  # allocated but not committed: abandoned
+            garbage += leftover
+        # this allocation still counts as incoming; room was made for it when it was placed,
+        # so this evicts only if capacity shrank or other writers got in first
+        make_room(0, {f[:KEY_BYTES] + r.parent for f, r in new.items() if r.parent})
+        batch = WriteBatch(raw_mode=True)
+        self.blocks.add(batch, list(new.items()))
+        batch.delete(ALLOC + req.allocation_id)
+        self.db.write(batch)
+        del self.open[req.allocation_id]
+        return committed, already, garbage
+
+    def expire(self) -> tuple[int, list]:
+        now = self.clock()
+        expired = [a for a, alloc in self.open.items() if now > alloc.record.expires_at]
+        garbage = []
+        if expired:
+            batch = WriteBatch(raw_mode=True)
+            for a in expired:
+                garbage += self.open.pop(a).record.chunks
+                batch.delete(ALLOC + a)
+            self.db.write(batch)
+        return len(expired), garbage

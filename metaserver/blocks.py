@@ -1,0 +1,547 @@
+"""Committed blocks: rows and their indexes (records.py), and every operation
+that reads or changes them.
+
+Each method does work bounded by its arguments (a request's keys, a `limit`),
+never by the size of the cache, so the event loop can run it between other
+work: background passes call them a slice at a time (lifecycle.py, repair.py).
+
+The cached set stays closed under "parent of" where it matters: only leaves
+(blocks without children) are eviction candidates, and a block that expires or
+is lost queues its descendants, which nothing can reach any more, to be dropped
+in later slices (`drop_stranded`). A hit is recorded in memory (bounded) and
+written back in batches (`flush_hits`): losing the last second of hits to a
+crash costs only ranking and TTL precision.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rocksdict import WriteBatch
+
+from kvfs.errors import InvalidArgument
+from kvfs.keys import KEY_BYTES
+from kvfs.layout import BlockLayout
+from kvfs.proto import meta_pb2
+
+from .config import MetaserverConfig
+from .db import MetaDB
+from .membership import Membership
+from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, REPLICA, SHORT, VICTIM, Row, child_key,
+                      expiry_key, frame, reframe_live, replica_key, replica_prefix, reply_tail, u64, victim_key)
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_HITS = 500_000  # blocks hit since the last flush; past it, more hits are not recorded
+FIRST_BATCH = 32  # a lookup reads keys in batches growing 4x from this, stopping at the first miss
+
+
+def slot_bytes(length: int) -> int:
+    """What a chunk takes of a chunkserver's capacity: the power-of-two slot of at
+    least 64 KiB it is stored in (chunkserver/slots.py). Eviction counts these, not
+    payload bytes: 48 KiB chunks in 64 KiB slots would fill the disks at 75%."""
+    return max(64 * 1024, 1 << (length - 1).bit_length())
+
+
+def footprint(chunks) -> int:
+    return sum(slot_bytes(c.length) for c in chunks)
+
+
+def layout_of(msg: meta_pb2.BlockLayout) -> BlockLayout:
+    try:
+        return BlockLayout(msg.layers, msg.block_tokens, msg.kv_dim, msg.dtype)
+    except ValueError as err:
+        raise InvalidArgument(f"bad block layout: {err}") from None
+
+
+@dataclass(slots=True)
+class Repair:
+    """A chunk with fewer live copies than wanted."""
+
+    full_key: bytes  # namespace digest + block key
+    index: int
+    count: int  # chunks in the block
+    chunk: meta_pb2.StoredChunk  # servers: ids of every listed copy, live or not
+    holders: list[str]  # live servers that have it
+    layout: meta_pb2.BlockLayout
+    ttl_class: str
+
+
+class Ranks:
+    """Eviction ranks, lowest evicted first, by the rules of eviction.py's policies
+    (which the trace simulator runs): lru ranks by last use; lfuda by L +
+    log2(hits), L rising to each victim's rank, with the hit counts of evicted
+    blocks remembered (the ghost, in RocksDB: at most `ghost_factor` x the most
+    blocks ever cached) so a prefix that returns resumes its count."""
+
+    def __init__(self, policy: str, db: MetaDB, ghost_factor: float = 4.0):
+        self.policy = policy
+        self.db = db
+        self.ghost_factor = ghost_factor
+        raw = db.get(COUNTER + b"aging")
+        self.aging = struct.unpack(">d", raw)[0] if raw else 0.0
+
+    def rank(self, hits: int, now: float) -> float:
+        return now if self.policy == "lru" else self.aging + math.log2(max(1, hits))
+
+    def evicted(self, batch: WriteBatch, full: bytes, row: Row, table: BlockTable) -> None:
+        if self.policy != "lfuda":
+            return
+        self.aging = max(self.aging, row.rank)
+        batch.put(COUNTER + b"aging", struct.pack(">d", self.aging))
+        table.ghost_seq += 1
+        batch.put(GHOST + full, struct.pack(">IQ", row.hits, table.ghost_seq))
+        batch.put(GHOST_ORDER + u64(table.ghost_seq) + full, b"")
+        table.ghosts += 1
+
+    def remembered(self, fulls: list[bytes]) -> list[int]:
+        """Hit counts the ghost holds for these blocks (0 where none)."""
+        if self.policy != "lfuda" or not fulls:
+            return [0] * len(fulls)
+        return [struct.unpack(">IQ", raw)[0] if raw else 0 for raw in self.db.db.get([GHOST + f for f in fulls])]
+
+
+@dataclass
+class Staged:
+    """One batch of removals: what it deletes, and what to do once written."""
+
+    batch: WriteBatch = field(default_factory=lambda: WriteBatch(raw_mode=True))
+    removed: dict[bytes, Row] = field(default_factory=dict)
+    gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
+    chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
+
+
+class BlockTable:
+    def __init__(self, cfg: MetaserverConfig, db: MetaDB, members: Membership, clock: Callable[[], float]):
+        self.cfg = cfg
+        self.db = db
+        self.members = members
+        self.clock = clock
+        self.ttls = cfg.ttls
+        self.ranks = Ranks(cfg.eviction_policy, db)
+        self.blocks = db.counter(b"blocks")
+        self.payload_bytes = db.counter(b"payload")
+        self.cache_bytes = db.counter(b"footprint")  # slot bytes per replica: what eviction counts
+        self.peak_blocks = db.counter(b"peak")
+        self.ghost_seq = db.counter(b"ghost_seq")
+        self.ghosts = db.counter(b"ghosts")
+        self.hits: dict[bytes, tuple[int, float]] = {}  # full key -> (hits, last) since the last flush
+        self._hits_dropped = 0
+        self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
+        self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
+
+    def __len__(self) -> int:
+        return self.blocks
+
+    def _counters(self, batch: WriteBatch) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.blocks)
+        for name, value in ((b"blocks", self.blocks), (b"payload", self.payload_bytes),
+                            (b"footprint", self.cache_bytes), (b"peak", self.peak_blocks),
+                            (b"ghost_seq", self.ghost_seq), (b"ghosts", self.ghosts)):
+            batch.put(COUNTER + name, u64(value))
+
+    def ttl_of(self, ttl_class: str) -> float:
+        return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
+
+    def rows(self, fulls: list[bytes]) -> list[bytes | None]:
+        return self.db.db.get([BLOCK + f for f in fulls]) if fulls else []
+
+    def row(self, full: bytes) -> Row | None:
+        raw = self.db.get(BLOCK + full)
+        return Row.decode(raw) if raw is not None else None
+
+    def stored_chunks(self, row: Row) -> list[meta_pb2.StoredChunk]:
+        return [meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
+                                     servers=self.members.ids(c.replicas))
+                for c in row.block_location().chunks]
+
+    # ---- lookup ----------------------------------------------------------
+
+    def match(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
+        """The serialized MatchPrefixReply for the longest run of present, unexpired,
+        readable blocks from keys[0]: rows are read in batches growing 4x, so a miss
+        early in a long prompt reads little; each block's stored location goes into
+        the reply as it is unless one of its servers is down."""
+        now = self.clock()
+        self.members.refresh_liveness()
+        live = self.members.live_numbers
+        parts: list[bytes] = []
+        referenced: set[int] = set()
+        hits = self.hits
+        recording = len(hits) < MAX_PENDING_HITS
+        start, size = 0, FIRST_BATCH
+        while start < len(keys):
+            part = keys[start : start + size]
+            for key, raw in zip(part, self.db.db.get([BLOCK + namespace_digest + k for k in part])):
+                if raw is None:
+                    return self._reply(parts, referenced)
+                ttl, last_used, servers, at = Row.head(raw)
+                full = namespace_digest + key
+                pending = hits.get(full)
+                if pending is not None and pending[1] > last_used:
+                    last_used = pending[1]
+                if now > last_used + ttl:
+                    return self._reply(parts, referenced)
+                if live.issuperset(servers):
+                    parts.append(raw[at:])
+                    referenced.update(servers)
+                else:
+                    framed = reframe_live(raw, at, live)
+                    if framed is None:  # a chunk no live server holds
+                        return self._reply(parts, referenced)
+                    parts.append(framed)
+                    referenced.update(live.intersection(servers))
+                if recording:
+                    hits[full] = (pending[0] + 1 if pending else 1, now)
+            start += size
+            size *= 4
+        if not recording:
+            self._hits_dropped += 1
+            if self._hits_dropped in (1, 1000, 1000_000):
+                log.warning("%d lookups' hits not recorded: %d blocks wait to be flushed", self._hits_dropped,
+                            len(hits))
+        return self._reply(parts, referenced)
+
+    def _reply(self, parts: list[bytes], referenced: set[int]) -> bytes:
+        return b"".join(parts) + self.members.server_table(referenced) + reply_tail(len(parts))
+
+    def flush_hits(self, limit: int = 4096) -> int:
+        """Writes up to `limit` blocks' recorded hits into their rows and indexes: a
+        later last use (the TTL counts from it) and a new rank. Returns blocks written."""
+        if not self.hits:
+            return 0
+        taken = list(itertools.islice(self.hits, limit))
+        pending = [self.hits.pop(f) for f in taken]
+        batch = WriteBatch(raw_mode=True)
+        raws = self.rows(taken)
+        rows = [Row.decode(r) if r is not None else None for r in raws]
+        old_victims = [victim_key(r.rank, r.last_used, r.depth, f) if r else b"" for f, r in zip(taken, rows)]
+        is_leaf = self.db.db.get(old_victims)
+        for full, row, (count, last), old_victim, leaf in zip(taken, rows, pending, old_victims, is_leaf):
+            if row is None:
+                continue  # gone meanwhile
+            last = max(last, row.last_used)
+            batch.delete(expiry_key(row.last_used + row.ttl, full))
+            row.last_used, row.hits = last, row.hits + count
+            row.rank = self.ranks.rank(row.hits, last)
+            batch.put(expiry_key(last + row.ttl, full), b"")
+            if leaf is not None:
+                batch.delete(old_victim)
+                batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
+            batch.put(BLOCK + full, row.encode())
+        self.db.write(batch)
+        return len(taken)
+
+    # ---- commit ----------------------------------------------------------
+
+    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]]) -> None:
+        """Stages newly committed blocks (parents before children; each one's parent
+        is committed or among `new`) with their index entries."""
+        fresh = dict(new)
+        parents_of_new = {f[:KEY_BYTES] + r.parent for f, r in new if r.parent}
+        # committed parents: a leaf until now leaves the eviction index; depth from its row
+        known = [p for p in parents_of_new if p not in fresh]
+        depth: dict[bytes, int] = {}
+        for parent, raw in zip(known, self.rows(known)):
+            if raw is None:
+                continue
+            prow = Row.decode(raw)
+            depth[parent] = prow.depth
+            if not self.db.has_prefix(CHILD + parent):
+                batch.delete(victim_key(prow.rank, prow.last_used, prow.depth, parent))
+        remembered = self.ranks.remembered([f for f, _ in new])
+        for (full, row), ghost_hits in zip(new, remembered):
+            parent = full[:KEY_BYTES] + row.parent if row.parent else None
+            row.depth = depth[full] = depth.get(parent, -1) + 1 if parent else 0
+            if ghost_hits:
+                row.hits += ghost_hits
+                batch.delete(GHOST + full)  # its order entry is trimmed in turn
+                self.ghosts -= 1
+            row.rank = self.ranks.rank(row.hits, row.last_used)
+            batch.put(BLOCK + full, row.encode())
+            batch.put(expiry_key(row.last_used + row.ttl, full), b"")
+            if parent is not None:
+                batch.put(child_key(parent, full), b"")
+            if full not in parents_of_new:
+                batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
+            for n in row.servers:
+                batch.put(replica_key(n, full), b"")
+            if any(len(c.replicas) < self.cfg.replicas for c in row.block_location().chunks):
+                batch.put(SHORT + full, b"")  # placed short of copies: repair adds them
+            self.blocks += 1
+            self.payload_bytes += row.nbytes
+            self.cache_bytes += row.footprint
+        self._trim_ghosts(batch)
+        self._counters(batch)
+
+    def _trim_ghosts(self, batch: WriteBatch) -> None:
+        over = self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks))
+        if over <= 0:
+            return
+        for key, _ in self.db.scan(GHOST_ORDER, limit=over):
+            full = key[-FULL:]
+            batch.delete(key)
+            raw = self.db.get(GHOST + full)
+            if raw is not None and struct.unpack(">IQ", raw)[1] == struct.unpack_from(">Q", key, 1)[0]:
+                batch.delete(GHOST + full)
+                self.ghosts -= 1
+
+    # ---- removal ---------------------------------------------------------
+
+    def remove(self, staged: Staged, full: bytes, row: Row, *, stranding: bool) -> bytes | None:
+        """Stages the removal of one block: its row, its index entries, its place among
+        its parent's children. With `stranding`, its children (if any) are queued to
+        be dropped after it. Returns its parent's eviction index key if the parent
+        is left without children (a leaf now, an eviction candidate)."""
+        b = staged.batch
+        b.delete(BLOCK + full)
+        b.delete(expiry_key(row.last_used + row.ttl, full))
+        b.delete(victim_key(row.rank, row.last_used, row.depth, full))
+        b.delete(SHORT + full)
+        for n in row.servers:
+            b.delete(replica_key(n, full))
+        staged.removed[full] = row
+        staged.chunks += self.stored_chunks(row)
+        self.blocks -= 1
+        self.payload_bytes -= row.nbytes
+        self.cache_bytes -= row.footprint
+        if stranding and self.db.has_prefix(CHILD + full):
+            self.stranded.append(full)
+        if not row.parent:
+            return None
+        parent = full[:KEY_BYTES] + row.parent
+        ck = child_key(parent, full)
+        b.delete(ck)
+        gone = staged.gone_children.setdefault(parent, set())
+        gone.add(ck)
+        if parent in staged.removed or self.db.has_prefix(CHILD + parent, gone):
+            return None
+        raw = self.db.get(BLOCK + parent)
+        if raw is None:
+            return None
+        prow = Row.decode(raw)
+        vkey = victim_key(prow.rank, prow.last_used, prow.depth, parent)
+        b.put(vkey, b"")
+        return vkey
+
+    def write(self, staged: Staged) -> None:
+        self._counters(staged.batch)
+        self.db.write(staged.batch)
+
+    def drop(self, fulls: list[bytes]) -> list[meta_pb2.StoredChunk]:
+        """Removes these blocks now (their descendants in later slices); their chunks."""
+        staged = Staged()
+        for full, raw in zip(fulls, self.rows(fulls)):
+            if raw is not None and full not in staged.removed:
+                self.remove(staged, full, Row.decode(raw), stranding=True)
+        self.write(staged)
+        return staged.chunks
+
+    def drop_stranded(self, limit: int = 1024) -> list[meta_pb2.StoredChunk]:
+        """Drops up to `limit` descendants of removed blocks (unreachable without them);
+        their chunks. A removed block committed again meanwhile keeps its children."""
+        staged = Staged()
+        while self.stranded and len(staged.removed) < limit:
+            parent = self.stranded[0]
+            if self.db.get(BLOCK + parent) is not None:
+                self.stranded.popleft()  # committed again: its children are reachable
+                continue
+            room = limit - len(staged.removed)
+            children = [parent[:KEY_BYTES] + k[-KEY_BYTES:] for k, _ in self.db.scan(CHILD + parent, limit=room)]
+            for child, raw in zip(children, self.rows(children)):
+                staged.batch.delete(child_key(parent, child))
+                if raw is not None and child not in staged.removed:
+                    self.remove(staged, child, Row.decode(raw), stranding=True)
+            if len(children) < room:
+                self.stranded.popleft()
+            self.write(staged)  # before the next scan, which must not see these children again
+            staged.batch = WriteBatch(raw_mode=True)
+        self.write(staged)
+        self.stranded_dropped += len(staged.removed)
+        return staged.chunks
+
+    def expire(self, limit: int = 1024) -> list[meta_pb2.StoredChunk]:
+        """Removes up to `limit` blocks past their TTL, soonest due first; their chunks."""
+        now = self.clock()
+        due = [k[-FULL:] for k, _ in self.db.scan(EXPIRY, limit=limit, stop=EXPIRY + u64(int(now)))]
+        staged = Staged()
+        for full, raw in zip(due, self.rows(due)):
+            if full in self.hits:
+                continue  # hit meanwhile: flush_hits moves its expiry
+            if raw is None:
+                continue
+            row = Row.decode(raw)
+            if now > row.last_used + row.ttl:
+                self.remove(staged, full, row, stranding=True)
+        self.write(staged)
+        self.expired += len(staged.removed)
+        return staged.chunks
+
+    def evict(self, nbytes: int, pinned: set[bytes], limit: int) -> tuple[int, list[meta_pb2.StoredChunk]]:
+        """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
+        are freed or `limit` blocks went. Blocks in `pinned`, their ancestors and
+        blocks hit since the last flush stay. Returns (blocks, their chunks)."""
+        staged = Staged()
+        freed, cursor, exhausted = 0, VICTIM, False
+        heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves
+        while freed < nbytes and len(staged.removed) < limit:
+            if not exhausted and (not heap or heap[0] >= cursor):
+                scanned = [k for k, _ in self.db.scan(VICTIM, start=cursor, limit=256)]
+                exhausted = len(scanned) < 256
+                if scanned:
+                    cursor = scanned[-1] + b"\x00"
+                for k in scanned:
+                    heapq.heappush(heap, k)
+            if not heap:
+                break
+            vkey = heapq.heappop(heap)
+            full = vkey[-FULL:]
+            if full in pinned or full in self.hits or full in staged.removed:
+                continue
+            raw = self.db.get(BLOCK + full)
+            if raw is None:
+                staged.batch.delete(vkey)  # a stale entry
+                continue
+            row = Row.decode(raw)
+            leaf = self.remove(staged, full, row, stranding=False)
+            if leaf is not None:
+                heapq.heappush(heap, leaf)
+            self.ranks.evicted(staged.batch, full, row, self)
+            freed += row.footprint
+        self.write(staged)
+        self.evicted += len(staged.removed)
+        return len(staged.removed), staged.chunks
+
+    # ---- replicas --------------------------------------------------------
+
+    def blocks_on(self, server: int, after: bytes = b"", limit: int = 1024) -> list[bytes]:
+        """Blocks with a copy of some chunk on server number `server`, in key order after `after`."""
+        prefix = replica_prefix(server)
+        start = prefix + after + b"\x00" if after else prefix
+        return [k[-FULL:] for k, _ in self.db.scan(prefix, start=start, limit=limit)]
+
+    def short_blocks(self, limit: int = 1024, after: bytes = b"") -> list[bytes]:
+        """Blocks known short of copies (repair's queue), in key order after `after`."""
+        start = SHORT + after + b"\x00" if after else SHORT
+        return [k[1:] for k, _ in self.db.scan(SHORT, start=start, limit=limit)]
+
+    def check_replicas(self, fulls: list[bytes]) -> tuple[list[Repair], list[bytes], list[bytes]]:
+        """For these blocks: the chunks short of live copies, the blocks with a chunk
+        no live server holds, and the blocks fully replicated (off repair's queue)."""
+        live = self.members.live_numbers
+        repairs, lost, whole = [], [], []
+        for full, raw in zip(fulls, self.rows(fulls)):
+            if raw is None:
+                whole.append(full)
+                continue
+            row = Row.decode(raw)
+            loc = row.block_location()
+            wanting = []
+            for index, c in enumerate(loc.chunks):
+                holders = [n for n in c.replicas if n in live]
+                if not holders:
+                    lost.append(full)
+                    break
+                if len(holders) < self.cfg.replicas:
+                    chunk = meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length,
+                                                 checksum=c.checksum, servers=self.members.ids(c.replicas))
+                    wanting.append(Repair(full, index, len(loc.chunks), chunk, self.members.ids(holders),
+                                          loc.layout, row.ttl_class))
+            else:
+                if wanting:
+                    repairs += wanting
+                else:
+                    whole.append(full)
+        return repairs, lost, whole
+
+    def replicated(self, fulls: list[bytes]) -> None:
+        """Takes blocks off repair's queue."""
+        if fulls:
+            batch = WriteBatch(raw_mode=True)
+            for f in fulls:
+                batch.delete(SHORT + f)
+            self.db.write(batch)
+
+    def update_replicas(self, full: bytes, chunk_id: bytes, added: list[int], gone: list[int]) -> bool:
+        """One chunk of a block gained copies on `added` and lost those on `gone` (server
+        numbers), applied to the row as it is now; False if the block is gone."""
+        row = self.row(full)
+        if row is None:
+            return False
+        loc = row.block_location()
+        for c in loc.chunks:
+            if c.chunk_id == chunk_id:
+                servers = [s for s in c.replicas if s not in gone] + [s for s in added if s not in c.replicas]
+                del c.replicas[:]
+                c.replicas.extend(servers)
+        self._rewrite(full, row, loc)
+        return True
+
+    def _rewrite(self, full: bytes, row: Row, loc: meta_pb2.BlockLocation, batch: WriteBatch | None = None) -> None:
+        own = batch is None
+        batch = WriteBatch(raw_mode=True) if own else batch
+        before = set(row.servers)
+        row.set_location(loc)
+        for n in before - set(row.servers):
+            batch.delete(replica_key(n, full))
+        for n in set(row.servers) - before:
+            batch.put(replica_key(n, full), b"")
+        if any(len(c.replicas) < self.cfg.replicas for c in loc.chunks):
+            batch.put(SHORT + full, b"")
+        batch.put(BLOCK + full, row.encode())
+        if own:
+            self.db.write(batch)
+
+    def lose_copies(self, server: int, wanted: dict[bytes, set[bytes]]) -> tuple[int, list[bytes]]:
+        """Server number `server` removed these chunks (full key -> chunk ids). Returns
+        (copies removed, blocks left with a chunk nobody holds)."""
+        fulls = list(wanted)
+        batch = WriteBatch(raw_mode=True)
+        removed, dead = 0, []
+        for full, raw in zip(fulls, self.rows(fulls)):
+            if raw is None:
+                continue  # expired, evicted or dropped already, or never committed
+            row = Row.decode(raw)
+            loc = row.block_location()
+            gone = [c for c in loc.chunks if c.chunk_id in wanted[full] and server in c.replicas]
+            for c in gone:
+                c.replicas.remove(server)
+            if gone:
+                removed += len(gone)
+                self._rewrite(full, row, loc, batch)
+                if any(not c.replicas for c in loc.chunks):
+                    dead.append(full)
+        self.db.write(batch)
+        self.replicas_lost += removed
+        return removed, dead
+
+    def holds(self, full: bytes, chunk_id: bytes, server: int) -> bool | None:
+        """Whether the block lists a copy of `chunk_id` on server number `server`;
+        None if the block or the chunk is unknown."""
+        row = self.row(full)
+        if row is None:
+            return None
+        for c in row.block_location().chunks:
+            if c.chunk_id == chunk_id:
+                return server in c.replicas
+        return None
+
+    def new_row(self, full: bytes, layout: meta_pb2.BlockLayout, chunks, parent: bytes, ttl_class: str,
+                now: float, created: float | None = None) -> Row:
+        """A row for a block about to be committed; `chunks` are (chunk_id, offset,
+        length, checksum, server numbers)."""
+        loc = meta_pb2.BlockLocation(key=full[KEY_BYTES:], layout=layout)
+        for cid, offset, length, checksum, servers in chunks:
+            loc.chunks.add(chunk_id=cid, offset=offset, length=length, checksum=checksum, replicas=servers)
+        return Row(ttl=int(self.ttl_of(ttl_class)), depth=0, hits=1, created=now if created is None else created,
+                   last_used=now, rank=0.0, footprint=footprint(loc.chunks),
+                   nbytes=sum(c.length for c in loc.chunks), parent=parent,
+                   servers=tuple(sorted({s for c in loc.chunks for s in c.replicas})), ttl_class=ttl_class,
+                   location=frame(loc))

@@ -1,0 +1,109 @@
+"""The metaserver's RocksDB: opened with a bounded block cache, written
+without waiting for the disk, made durable in groups.
+
+Every change is one WriteBatch applied at once (readers see it immediately);
+a caller that must not answer before its change is on disk awaits `durable()`,
+and all the callers waiting at one time share one WAL fsync, on a thread. A
+crash loses at most changes nobody was told about: RocksDB recovers a prefix of
+the batches, never part of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch
+
+from .records import COUNTER, FORMAT, FORMAT_KEY, read_u64, u64
+
+log = logging.getLogger(__name__)
+
+
+class MetaDB:
+    def __init__(self, path: str, cache_bytes: int):
+        os.makedirs(path, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        table = BlockBasedOptions()
+        self._cache = Cache(cache_bytes)  # must outlive the database
+        table.set_block_cache(self._cache)
+        opts.set_block_based_table_factory(table)
+        self.db = Rdict(os.path.join(path, "meta"), opts)
+        fmt = self.db.get(FORMAT_KEY)
+        if fmt is None:
+            it = self.db.iter()
+            it.seek_to_first()
+            if it.valid():
+                raise RuntimeError(f"{path} holds metadata of an older format; move it away and start with "
+                                   f"--rebuild to recover the blocks from the chunkservers' inventories")
+            self.db.put(FORMAT_KEY, u64(FORMAT))
+        elif read_u64(fmt) != FORMAT:
+            raise RuntimeError(f"{path} holds metadata format {read_u64(fmt)}; this metaserver reads {FORMAT}")
+        self._writes = 0  # batches written
+        self._synced = 0  # of those, the ones known durable
+        self._syncing: asyncio.Future | None = None
+        self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
+
+    def write(self, batch: WriteBatch) -> None:
+        self.db.write(batch)
+        self._writes += 1
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.db.put(key, value)
+        self._writes += 1
+
+    def get(self, key):
+        return self.db.get(key)
+
+    def counter(self, name: bytes) -> int:
+        return read_u64(self.db.get(COUNTER + name))
+
+    def sync(self) -> None:
+        """Makes everything written so far durable, now (for start-up and shutdown)."""
+        self.db.flush_wal(True)
+        self._synced = self._writes
+
+    async def durable(self) -> None:
+        """Returns once every batch written before the call is on disk."""
+        target = self._writes
+        while self._synced < target:
+            if self._syncing is None:
+                self._syncing = asyncio.ensure_future(self._sync_round())
+            await asyncio.shield(self._syncing)
+
+    async def _sync_round(self) -> None:
+        upto = self._writes
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._syncer, self.db.flush_wal, True)
+            self._synced = max(self._synced, upto)
+        finally:
+            self._syncing = None
+
+    def scan(self, prefix: bytes, start: bytes = b"", limit: int = 1 << 62, stop: bytes | None = None):
+        """Keys (and values) under `prefix`, from `start` (a key) on, before `stop`, at most `limit`."""
+        it = self.db.iter()
+        it.seek(start or prefix)
+        n = 0
+        while it.valid() and n < limit:
+            key = it.key()
+            if not key.startswith(prefix) or (stop is not None and key >= stop):
+                return
+            yield key, it.value()
+            n += 1
+            it.next()
+
+    def has_prefix(self, prefix: bytes, skip: frozenset[bytes] | set[bytes] = frozenset()) -> bool:
+        """Whether some key starts with `prefix`, other than those in `skip` (keys
+        being deleted in a batch not written yet). Reads at most len(skip) + 1 keys."""
+        for key, _ in self.scan(prefix, limit=len(skip) + 1):
+            if key not in skip:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sync()
+        self._syncer.shutdown(wait=True)
+        self.db.close()

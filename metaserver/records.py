@@ -1,0 +1,187 @@
+"""How the metaserver's state is laid out in RocksDB: one table per key prefix.
+
+Nothing here is held in memory per block. A block is one row plus a few index
+entries, each a key whose order does a job, so every background pass is a
+range scan that starts where the work is:
+
+    b ns key                  -> block row (below)
+    c ns parent child         -> b""   children of a block: leaves, descendants
+    x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
+    v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
+    r server ns key           -> b""   blocks with a copy of some chunk on a server
+    u ns key                  -> b""   blocks known short of copies (repair's queue)
+    g ns key                  -> hits  ghost: hit counts of evicted blocks (LFU-DA)
+    h seq ns key              -> b""   the ghost's order, oldest first (trimmed from the front)
+    a allocation id           -> AllocationRecord
+    s server id               -> ServerRecord (with its number)
+    m name                    -> a counter (blocks, bytes, cache footprint, aging)
+
+`ns` is the 16-byte namespace digest and `key` the 16-byte block key, so `ns key`
+(FULL bytes) names a block. Numbers in keys are big-endian so byte order is
+numeric order; `rank` and `last` are floats mapped to sortable integers.
+
+A block row is a fixed header, the distinct server numbers its chunks are on,
+then its BlockLocation already framed as field 2 of a MatchPrefixReply (chunk
+replicas as server numbers): a lookup checks the header and copies the rest
+into its reply without parsing a message per chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvfs.keys import KEY_BYTES
+from kvfs.proto import meta_pb2
+
+FULL = 2 * KEY_BYTES  # namespace digest + block key
+
+BLOCK, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"c", b"x", b"v", b"r", b"u"
+GHOST, GHOST_ORDER = b"g", b"h"
+ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
+
+FORMAT = 2  # of this layout; a database of another format is refused at start
+FORMAT_KEY = COUNTER + b"format"
+
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+_U16 = struct.Struct(">H")
+
+
+def sortable(x: float) -> bytes:
+    """8 bytes whose byte order is the order of the floats (IEEE 754 with the sign flipped)."""
+    (bits,) = struct.unpack(">Q", struct.pack(">d", x))
+    return _U64.pack(bits ^ 0xFFFF_FFFF_FFFF_FFFF if bits >> 63 else bits | 1 << 63)
+
+
+def child_key(parent_full: bytes, child_full: bytes) -> bytes:
+    return CHILD + parent_full + child_full[KEY_BYTES:]
+
+
+def expiry_key(expires_at: float, full: bytes) -> bytes:
+    return EXPIRY + _U64.pack(max(0, int(expires_at))) + full
+
+
+def expiry_of(index_key: bytes) -> int:
+    return _U64.unpack_from(index_key, 1)[0]
+
+
+def victim_key(rank: float, last_used: float, depth: int, full: bytes) -> bytes:
+    # equal ranks: least recently used first, then deepest first
+    return VICTIM + sortable(rank) + sortable(last_used) + _U32.pack(0xFFFF_FFFF - min(depth, 0xFFFF_FFFF)) + full
+
+
+def replica_key(server: int, full: bytes) -> bytes:
+    return REPLICA + _U16.pack(server) + full
+
+
+def replica_prefix(server: int) -> bytes:
+    return REPLICA + _U16.pack(server)
+
+
+def u64(n: int) -> bytes:
+    return _U64.pack(n)
+
+
+def read_u64(raw: bytes | None) -> int:
+    return _U64.unpack(raw)[0] if raw else 0
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+# version, flags, ttl, depth, hits, created, last_used, rank, footprint, payload bytes, parent
+_HEAD = struct.Struct("<BBIIIdddQQ16s")
+_TTL, _LAST_USED = struct.Struct("<I"), struct.Struct("<d")  # at offsets 2 and 22 of the header
+_HAS_PARENT = 1
+_REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
+
+
+@dataclass(slots=True)
+class Row:
+    """One block's row. Decoded only where a pass needs its fields; lookups read
+    the header in place (`Row.head`)."""
+
+    ttl: int
+    depth: int
+    hits: int
+    created: float
+    last_used: float  # as indexed: the block expires at last_used + ttl
+    rank: float  # as indexed, while it is a leaf
+    footprint: int  # slot bytes per replica
+    nbytes: int  # payload bytes
+    parent: bytes  # the parent's block key; b"": a prompt's first block
+    servers: tuple[int, ...]  # distinct numbers of the servers holding a copy of some chunk
+    ttl_class: str
+    location: bytes  # framed BlockLocation (see the module docstring)
+
+    def encode(self) -> bytes:
+        head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, self.ttl, self.depth, self.hits, self.created,
+                          self.last_used, self.rank, self.footprint, self.nbytes, self.parent or bytes(KEY_BYTES))
+        name = self.ttl_class.encode()
+        return b"".join((head, bytes([len(self.servers)]), struct.pack(f"<{len(self.servers)}H", *self.servers),
+                         bytes([len(name)]), name, self.location))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Row:
+        _, flags, ttl, depth, hits, created, last_used, rank, footprint, nbytes, parent = _HEAD.unpack_from(raw)
+        n = raw[_HEAD.size]
+        servers = struct.unpack_from(f"<{n}H", raw, _HEAD.size + 1)
+        at = _HEAD.size + 1 + 2 * n
+        name = raw[at + 1 : at + 1 + raw[at]].decode()
+        return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
+                   parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :])
+
+    @staticmethod
+    def head(raw: bytes) -> tuple[int, float, tuple[int, ...], int]:
+        """(ttl, last_used, server numbers, offset of the framed location): what a lookup reads."""
+        ttl, last_used = _TTL.unpack_from(raw, 2)[0], _LAST_USED.unpack_from(raw, 22)[0]
+        n = raw[_HEAD.size]
+        at = _HEAD.size + 1 + 2 * n
+        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, _HEAD.size + 1), at + 1 + raw[at]
+
+    def block_location(self) -> meta_pb2.BlockLocation:
+        return meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]
+
+    def set_location(self, loc: meta_pb2.BlockLocation) -> None:
+        self.location = frame(loc)
+        self.servers = tuple(sorted({s for c in loc.chunks for s in c.replicas}))
+
+
+def frame(loc: meta_pb2.BlockLocation) -> bytes:
+    body = loc.SerializeToString()
+    return _REPLY_BLOCK + _varint(len(body)) + body
+
+
+def reframe_live(raw: bytes, offset: int, live: frozenset[int]) -> bytes | None:
+    """A block's framed location keeping only replicas on `live` servers; None if
+    some chunk has none left (the block is unreadable now)."""
+    loc = meta_pb2.MatchPrefixReply.FromString(raw[offset:]).blocks[0]
+    for c in loc.chunks:
+        kept = [s for s in c.replicas if s in live]
+        if not kept:
+            return None
+        del c.replicas[:]
+        c.replicas.extend(kept)
+    return frame(loc)
+
+
+def reply_tail(matched: int) -> bytes:
+    """MatchPrefixReply.matched (field 1, varint)."""
+    return b"\x08" + _varint(matched) if matched else b""
+
+
+def server_entry(record: meta_pb2.ServerRecord | None) -> bytes:
+    """A MatchPrefixReply.servers entry (field 3); an empty one stands in for a
+    number no block in the reply refers to."""
+    if record is None:
+        return b"\x1a\x00"
+    body = meta_pb2.Server(id=record.id, address=record.address, failure_domain=record.failure_domain,
+                           data_address=record.data_address).SerializeToString()
+    return b"\x1a" + _varint(len(body)) + body
