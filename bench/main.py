@@ -207,6 +207,113 @@ def _vllm(args) -> int:
     return 0
 
 
+def _meta(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .meta import BenchAborted, MetaBenchConfig, config_dict, parse_count, run_meta
+
+    cfg = MetaBenchConfig(blocks=parse_count(args.blocks), chain=args.chain, clients=args.clients,
+                          servers=args.servers, evict=args.evict, samples=args.samples, deadline=args.deadline,
+                          heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout)
+    changed = " ".join(cfg.meta_flags()) or "none (its defaults)"
+    eviction = "on: the fill ends at 95% of the cache" if cfg.evict else "off"
+    with _scratch(args.data_dir) as root:
+        console.print(f"kvfs-bench meta: one real metaserver, {cfg.blocks} MLA blocks in chains of {cfg.chain} from "
+                      f"{cfg.clients} writers; metaserver settings changed: {changed}; {cfg.servers} FAKE chunkservers "
+                      f"in a child process (they store nothing: chunk writes never happen, ListChunks is empty, "
+                      f"DeleteChunks and CopyChunk succeed at once); eviction {eviction}; "
+                      f"data in {root}")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True) as progress:
+            try:
+                report = asyncio.run(run_meta(root, cfg, log=console.print, progress=progress))
+            except BenchAborted as err:
+                console.print(f"kvfs-bench meta aborted: {err}", markup=False, highlight=False)
+                return 1
+    _meta_tables(report)
+    _write_json(args.json, {"bench": "meta", **_host(), "config": config_dict(cfg), "results": report})
+    return 0
+
+
+def _meta_meanwhile(name: str, p: dict) -> str:
+    """What ran in the background of one phase, for the stall table."""
+    ch = p.get("status_change", {})
+    evicted = f"evicted {ch.get('evicted_blocks', '?')}"
+    if name == "lifecycle":
+        runs = p["lifecycle_runs"]
+        return f"RunLifecycle x{runs['count']} (p50 {runs.get('p50_ms', 0):.0f} ms); {evicted}"
+    if name == "eviction":
+        return f"wrote {p['writes']['blocks']}; {evicted}"
+    if name == "repair":
+        first = f", the first {p['first_copy_s']:.1f}s in" if p["first_copy_s"] is not None else ""
+        dead = f"seen dead after {p['detect_s']:.1f}s" if p["detect_s"] is not None else f"NOT seen dead ({p['error']})"
+        return f"{p['silenced']} {dead}; {p['copies']} copies{first}; lost {ch.get('blocks_lost', '?')}; {evicted}"
+    return evicted
+
+
+def _wrong(s: dict) -> str:
+    """'0', or '12 (matched 0 x12)': how many answers were wrong and what they said."""
+    if not s["wrong"]:
+        return "0"
+    said = ", ".join(f"{m} x{n}" for m, n in sorted(s["wrong_matched"].items(), key=lambda kv: -kv[1]))
+    return f"{s['wrong']} (matched {said})"
+
+
+def _meta_tables(r: dict) -> None:
+    def mb(n):
+        return "-" if n is None else f"{n / 1e6:,.0f}"
+
+    def per(n):
+        return "-" if n is None else f"{n:,.0f}"
+
+    fill = r["fill"]
+    table = Table(title=f"fill: {fill['blocks']} blocks committed in {fill['chains']} chains "
+                        f"({fill['failed_batches']} batches failed, {fill['refused']} blocks refused)")
+    for col in ("blocks/s", *(f"decile {i + 1}" for i in range(len(fill["deciles"])))):
+        table.add_column(col, justify="right")
+    table.add_row(f"{fill['blocks_per_s']:,.0f}", *(f"{d['blocks_per_s']:,.0f}" for d in fill["deciles"]))
+    console.print(table)
+    mem, disk = r["memory"], r["disk"]
+    table = Table(title=f"the metaserver after the fill: {mem['blocks']} blocks held ({mem['evicted_blocks']} evicted)")
+    for col in ("RSS MB", "RSS B/block", "peak MB", "peak B/block", "disk MB", "disk B/block"):
+        table.add_column(col, justify="right")
+    table.add_row(mb(mem["rss_bytes"]), per(mem["rss_per_block"]), mb(mem["hwm_bytes"]), per(mem["hwm_per_block"]),
+                  mb(disk["bytes"]), per(disk["per_block"]))
+    console.print(table)
+    table = Table(title="MatchPrefix from a plain grpc.aio stub, one at a time (ms; every answer checked)")
+    for col in ("phase", "lookup", "count", "p50", "p99", "max", "wrong", "errors"):
+        table.add_column(col, justify="right")
+    for name, phase in r["phases"].items():
+        for kind, s in phase.get("lookups", {}).items():
+            errors = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "0"
+            table.add_row(name, kind, str(s["count"]), f"{s.get('p50_ms', 0):.1f}", f"{s.get('p99_ms', 0):.1f}",
+                          f"{s.get('max_ms', 0):.1f}", _wrong(s), errors)
+    console.print(table)
+    table = Table(title="longest wait of a health Check sent every 10 ms by a probe process (ms), per phase")
+    for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "meanwhile"):
+        table.add_column(col, justify="right")
+    for name, p in r["phases"].items():
+        pr = p["probe"]
+        meanwhile = _meta_meanwhile(name, p)
+        table.add_row(name, f"{p['seconds']:.1f}", str(pr["count"]), f"{pr.get('p50_ms', 0):.1f}",
+                      f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), meanwhile)
+    console.print(table)
+    rs = r["restart"]
+    table = Table(title="restart on the same data: seconds from SIGTERM to exit, and from start to ...")
+    for col in ("exited", "SERVING", f"a {rs['expected']}-block match", "RSS after MB"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{rs['stop_s']:.1f}", f"{rs['serving_s']:.1f}" if "serving_s" in rs else "-",
+                  f"{rs['full_match_s']:.1f}" if "full_match_s" in rs else "-", mb(rs.get("rss_bytes")))
+    console.print(table)
+    a = r["answers"]
+    console.print(f"{a['lookups']} lookups: {a['wrong']} wrong answers, {a['errors']} errors; metaserver log: "
+                  f"{r['metaserver']['log_warnings']} warning/error lines"
+                  + (f"; it had exited with {rs['exit_code']} before the restart" if rs["exit_code"] else "")
+                  + (f"; restart: {rs['error']}" if rs.get("error") else ""))
+    if "log_tail" in r["metaserver"]:
+        console.print("metaserver log tail:\n" + r["metaserver"]["log_tail"], markup=False, highlight=False)
+
+
 @contextlib.contextmanager
 def _cluster(args):
     """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here."""
@@ -385,13 +492,26 @@ def main(argv: list[str] | None = None) -> int:
     vllm = sub.add_parser("vllm", help="time to first token in a real vLLM with kvfs: miss vs hit (extra vllm)")
     vllm.add_argument("--tokens", type=int, default=4096)
     vllm.add_argument("--chunkservers", type=int, default=3)
-    for p in (io, prefix, ttft, restore, trace, faults, vllm):
+    meta = sub.add_parser("meta", help="one real metaserver at scale (fake chunkservers): fill rate, memory and "
+                                       "disk per block, restart, MatchPrefix latency under background work")
+    meta.add_argument("--blocks", default="1M", help="blocks to fill: 20000, 100K, 1M, 10M")
+    meta.add_argument("--chain", type=int, default=2000, help="blocks per chain (prompt)")
+    meta.add_argument("--clients", type=int, default=8, help="concurrent writers")
+    meta.add_argument("--servers", type=int, default=4, help="fake chunkservers, one failure domain each")
+    meta.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
+                      help="size the fakes so the fill ends at 95%% of the cache, then write until it evicts")
+    meta.add_argument("--samples", type=int, default=200, help="lookups per kind and phase")
+    meta.add_argument("--deadline", type=float, default=10.0, help="seconds, per RPC")
+    meta.add_argument("--heartbeat-interval", help="metaserver setting (default: its own)")
+    meta.add_argument("--heartbeat-timeout", help="metaserver setting (default: its own)")
+    meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
+    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults, "vllm": _vllm}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm, "meta": _meta}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 BENCH = [sys.executable, "-m", "kvfs.bench.main"]
 
 
@@ -129,6 +131,7 @@ def test_trace_simulate_runs_the_eviction_policies_alone(tmp_path):
     assert "infinite" in stdout
 
 
+@pytest.mark.slow
 def test_faults_bench_reports_windows_detection_and_re_replication(tmp_path):
     report, stdout = run(["faults", "--gib", "0.03", "--chunkservers", "3", "--prompt-blocks", "2",
                           "--concurrency", "2", "--steady", "1"], tmp_path)
@@ -138,3 +141,40 @@ def test_faults_bench_reports_windows_detection_and_re_replication(tmp_path):
     assert r["windows"]["steady"]["count"] > 0 and r["windows"]["steady"]["failed"] == 0
     assert r["windows"]["after"]["failed"] == 0  # healed: every restore succeeds again
     assert "detected after" in stdout
+
+
+def test_meta_bench_report_shape(tmp_path):
+    report, stdout = run(["meta", "--blocks", "20000", "--chain", "2000", "--samples", "20"], tmp_path)
+    config, r = report["config"], report["results"]
+    assert report["bench"] == "meta" and config["blocks"] == 20000 and config["chain"] == 2000 and config["evict"]
+    fill = r["fill"]
+    assert fill["blocks"] == 20000 and fill["chains"] == 10 and fill["failed_batches"] == 0 and fill["errors"] == {}
+    assert len(fill["deciles"]) == 10 and sum(d["blocks"] for d in fill["deciles"]) == 20000
+    memory, disk = r["memory"], r["disk"]
+    assert 0 < memory["blocks"] == disk["blocks"] <= 20000  # eviction may have dropped some
+    assert abs(memory["rss_per_block"] - memory["rss_bytes"] / memory["blocks"]) < 1e-9
+    assert abs(memory["hwm_per_block"] - memory["hwm_bytes"] / memory["blocks"]) < 1e-9
+    assert memory["hwm_bytes_before_restart"] >= memory["hwm_bytes"] >= memory["rss_bytes"] > 0
+    assert abs(disk["per_block"] - disk["bytes"] / disk["blocks"]) < 1e-9
+    assert r["block_footprint_bytes"] == 2 << 20  # two 1 MiB slots
+    assert set(r["phases"]) == {"fill", "steady", "lifecycle", "eviction", "repair"}
+    kinds = {"hit 32", "hit 512", "hit 2000", "miss after 1 (2000 keys)"}
+    for name, phase in r["phases"].items():
+        probe = phase["probe"]
+        assert probe["count"] > 0 and probe["max_ms"] >= probe["p99_ms"] >= probe["p50_ms"] > 0
+        if name == "fill":
+            continue
+        assert set(phase["lookups"]) == kinds
+        for s in phase["lookups"].values():  # every answer right at this size
+            assert s["count"] >= 20 and s["max_ms"] >= s["p99_ms"] >= s["p50_ms"] > 0
+            assert s["wrong"] == 0 and s["errors"] == {}
+    lookups = [s for p in r["phases"].values() for s in p.get("lookups", {}).values()]
+    assert r["answers"] == {"lookups": sum(s["count"] for s in lookups), "wrong": 0, "errors": 0}
+    assert r["phases"]["lifecycle"]["lifecycle_runs"]["count"] > 0
+    assert r["phases"]["eviction"]["status_change"]["evicted_blocks"] > 0  # the fakes' capacity made it evict
+    repair = r["phases"]["repair"]
+    assert repair["silenced"] == "fake-3" and repair["detect_s"] > 0
+    restart = r["restart"]
+    assert "error" not in restart and restart["matched"] == restart["expected"] == 2000
+    assert restart["full_match_s"] >= restart["serving_s"] > 0 and restart["stop_s"] > 0
+    assert "FAKE chunkservers" in stdout and "0 wrong answers" in stdout

@@ -1,0 +1,556 @@
+"""`kvfs-bench meta`: one real metaserver process at scale, through its real RPCs.
+
+The metaserver is started as users start it (cli/launcher.py), with its
+defaults; its chunkservers are fakes in a child process (bench/fakes.py) that
+store nothing, so what is measured is the metaserver alone. In order:
+
+  fill      - `blocks` MLA blocks in chains of `chain`, from `clients` writers:
+              AllocateBlocks + CommitBlocks of BATCH keys, each batch's parent the
+              block before it (as Client.write sends them); the rate per decile;
+              with `evict`, the fakes' capacity is sized so that the fill ends at
+              95% of the cache, past the eviction high watermark;
+  memory    - the metaserver's VmRSS and VmHWM and its data folder, per block held;
+  steady    - MatchPrefix latency of hits (prefixes of filled chains) and of
+              misses after block 1, every answer checked;
+  lifecycle - the same while RunLifecycle runs back to back;
+  eviction  - the same while writers add chains until the metaserver evicts;
+  repair    - the same once one fake server stopped heartbeating, was found
+              dead and its chunks are being re-replicated;
+  restart   - SIGTERM, start on the same data: time until it serves and until a
+              lookup of a filled chain matches in full.
+
+A probe process times a health Check every 10 ms throughout: per phase, the
+longest the metaserver's event loop kept a cheap call waiting. Every call has a
+deadline, so a metaserver that stalls or dies shows as timeouts and wrong
+answers in the report, not as a hung bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import os
+import pathlib
+import time
+from dataclasses import asdict, dataclass
+
+import grpc
+
+from kvfs.cli.launcher import LaunchError, ServerProcess, start_metaserver
+from kvfs.config import MiB
+from kvfs.layout import BlockLayout
+from kvfs.proto import meta_pb2, meta_pb2_grpc
+from kvfs.rpc import CHANNEL_OPTIONS
+
+from .fakes import FakeChunkservers, StallProbe, server_id
+
+NS = meta_pb2.Namespace(tenant="bench", model="meta")
+LAYOUT = BlockLayout.mla()  # 27 layers x 64 tokens x 576 x bf16: 1,990,656 bytes, 2 chunks of 1 MiB
+LAYOUT_MSG = meta_pb2.BlockLayout(layers=LAYOUT.layers, block_tokens=LAYOUT.block_tokens, kv_dim=LAYOUT.kv_dim,
+                                  dtype=LAYOUT.dtype)
+CHUNK_SIZE = 1 * MiB  # the metaserver's default cut
+BATCH = 500  # keys per AllocateBlocks / CommitBlocks
+HIT_SIZES = (32, 512, 2000)
+LOOKUP_CHAINS = 4  # the chains lookups use: written last, then hit, so eviction keeps them
+CHECKSUM = 0x6B76_6673_6265_6E63  # any uint64: the fakes hold no bytes to check
+FILL_SHARE = 0.95  # with evict: the fill ends at this share of the cache
+NO_EVICT_CAPACITY = 100 << 40  # per fake server: 100 TiB
+STATUS_COUNTERS = ("blocks", "evicted_blocks", "expired_blocks", "blocks_lost", "stranded_blocks",
+                   "gc_deleted_chunks", "open_allocations")
+
+
+class BenchAborted(RuntimeError):
+    """The metaserver gave the bench nothing left to measure."""
+
+
+def parse_count(text: str) -> int:
+    """'100K' -> 100000, '1.5M' -> 1500000, '20000' -> 20000."""
+    t = text.strip().upper().replace("_", "")
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    return int(float(t[:-1] if scale > 1 else t) * scale)
+
+
+def block_footprint() -> int:
+    """What one block takes of chunkserver capacity: each chunk in a power-of-two slot."""
+    return sum(max(64 << 10, 1 << (s.length - 1).bit_length()) for s in LAYOUT.chunks(CHUNK_SIZE))
+
+
+@dataclass(frozen=True, slots=True)
+class MetaBenchConfig:
+    blocks: int = 1_000_000
+    chain: int = 2000
+    clients: int = 8
+    servers: int = 4
+    evict: bool = True
+    samples: int = 200  # per lookup kind and phase
+    deadline: float = 10.0  # seconds, every RPC but RunLifecycle's
+    heartbeat_interval: str | None = None  # None: the metaserver's default
+    heartbeat_timeout: str | None = None
+
+    def meta_flags(self) -> list[str]:
+        """The metaserver settings this run changes."""
+        flags = []
+        for flag, value in (("--heartbeat-interval", self.heartbeat_interval),
+                            ("--heartbeat-timeout", self.heartbeat_timeout)):
+            if value is not None:
+                flags += [flag, value]
+        return flags
+
+    def capacity_per_server(self, replicas: int) -> int:
+        if not self.evict:
+            return NO_EVICT_CAPACITY
+        return math.ceil(self.blocks * block_footprint() * replicas / self.servers / FILL_SHARE)
+
+    def chain_lengths(self) -> list[int]:
+        """The fill's chains: a short one first (if any), the lookups' full ones last."""
+        full, rest = divmod(self.blocks, self.chain)
+        return ([rest] if rest else []) + [self.chain] * full
+
+
+def _summary(seconds: list[float]) -> dict:
+    s = sorted(seconds)
+    if not s:
+        return {"count": 0}
+
+    def q(p):
+        return s[min(len(s) - 1, int(p * len(s)))] * 1e3
+
+    return {"count": len(s), "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": s[-1] * 1e3}
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process, in bytes."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/status") as f:  # gone: nothing to read
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def _folder_bytes(path: pathlib.Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):  # RocksDB compacts as we walk
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
+class Fill:
+    """Writers of whole chains, like Client.write without the chunk bytes."""
+
+    def __init__(self, stub, deadline: float, on_commit=lambda n: None, stop=lambda: False, total: int = 0):
+        self.stub, self.deadline, self.on_commit, self.stop = stub, deadline, on_commit, stop
+        self.committed = self.already = self.refused = self.failed_batches = 0
+        self.errors: collections.Counter = collections.Counter()
+        self._bounds = [math.ceil(k * total / 10) for k in range(1, 11)] if total else []
+        self.marks: list[tuple[int, float]] = []  # (committed, monotonic) as each decile completes
+
+    async def run(self, lengths: list[int], clients: int, keep: dict[int, list[bytes]]) -> None:
+        """Writes the chains, `clients` at a time; the keys of chain i go into keep[i] if present."""
+        todo = iter(enumerate(lengths))
+
+        async def writer():
+            for i, n in todo:
+                if self.stop():
+                    return
+                await self._chain(n, keep.get(i))
+
+        await asyncio.gather(*(writer() for _ in range(clients)))
+
+    async def _chain(self, n: int, keep: list[bytes] | None) -> None:
+        parent = b""
+        for start in range(0, n, BATCH):
+            raw = os.urandom(16 * min(BATCH, n - start))
+            keys = [raw[j : j + 16] for j in range(0, len(raw), 16)]
+            try:
+                alloc = await self.stub.AllocateBlocks(meta_pb2.AllocateBlocksRequest(
+                    namespace=NS, keys=keys, layout=LAYOUT_MSG, parent=parent), timeout=self.deadline)
+                commit = meta_pb2.CommitBlocksRequest(namespace=NS, allocation_id=alloc.allocation_id)
+                for b in alloc.blocks:
+                    if not b.already_present:
+                        commit.blocks.add(key=b.key, chunk_checksums=[CHECKSUM] * len(b.chunks))
+                reply = meta_pb2.CommitBlocksReply()
+                if commit.blocks:
+                    reply = await self.stub.CommitBlocks(commit, timeout=self.deadline)
+            except grpc.aio.AioRpcError as err:
+                self.failed_batches += 1
+                self.errors[err.code().name] += 1
+                return  # the rest would hang off a block that is not there
+            already = sum(b.already_present for b in alloc.blocks) + reply.already_present
+            self.committed += reply.committed
+            self.already += already
+            self._mark()
+            self.on_commit(reply.committed)
+            if reply.committed + already < len(keys):
+                self.refused += len(keys) - reply.committed - already
+                return
+            if keep is not None:
+                keep.extend(keys)
+            parent = keys[-1]
+            if self.stop():
+                return
+
+    def _mark(self) -> None:
+        while self._bounds and self.committed >= self._bounds[0]:
+            self._bounds.pop(0)
+            self.marks.append((self.committed, time.monotonic()))
+
+    def deciles(self, t0: float) -> list[dict]:
+        out, (prev_n, prev_t) = [], (0, t0)
+        for n, t in self.marks:
+            out.append({"blocks": n - prev_n, "seconds": t - prev_t,
+                        "blocks_per_s": (n - prev_n) / max(t - prev_t, 1e-9)})
+            prev_n, prev_t = n, t
+        return out
+
+
+@dataclass(slots=True)
+class Target:
+    """One kind of lookup: a request per lookup chain, and the right answer."""
+
+    name: str
+    requests: list[meta_pb2.MatchPrefixRequest]
+    expected: list[int]  # matched blocks, per request
+
+    def right(self, i: int, reply: meta_pb2.MatchPrefixReply) -> bool:
+        req, n = self.requests[i], self.expected[i]
+        return (reply.matched == n and len(reply.blocks) == n
+                and (n == 0 or (reply.blocks[0].key == req.keys[0] and reply.blocks[-1].key == req.keys[n - 1])))
+
+
+class Sampler:
+    """MatchPrefix of every target in turn, one call at a time, timed at the client."""
+
+    def __init__(self, stub, targets: list[Target], samples: int, deadline: float):
+        self.stub, self.targets, self.samples, self.deadline = stub, targets, samples, deadline
+        self.rounds = 0
+
+    async def run(self, keep_going=lambda: False) -> dict:
+        """At least `samples` rounds, and on while keep_going()."""
+        seconds = {t.name: [] for t in self.targets}
+        wrong = {t.name: collections.Counter() for t in self.targets}  # matched count of each wrong answer
+        errors = {t.name: collections.Counter() for t in self.targets}
+        while self.rounds < self.samples or keep_going():
+            for t in self.targets:
+                i = self.rounds % len(t.requests)
+                t0 = time.perf_counter()
+                try:
+                    reply = await self.stub.MatchPrefix(t.requests[i], timeout=self.deadline)
+                except grpc.aio.AioRpcError as err:
+                    seconds[t.name].append(time.perf_counter() - t0)  # what the caller waited
+                    errors[t.name][err.code().name] += 1
+                    continue
+                seconds[t.name].append(time.perf_counter() - t0)
+                if not t.right(i, reply):
+                    wrong[t.name][str(reply.matched)] += 1
+            self.rounds += 1
+        return {t.name: {**_summary(seconds[t.name]), "wrong": sum(wrong[t.name].values()),
+                         "wrong_matched": dict(wrong[t.name]), "errors": dict(errors[t.name])}
+                for t in self.targets}
+
+
+async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress=None) -> dict:
+    """The whole bench; `progress` is a rich Progress for the fill (optional)."""
+    run = _Run(root, cfg, log, progress)
+    try:
+        return await run.run()
+    finally:
+        await run.close()
+
+
+class _Run:
+    def __init__(self, root: pathlib.Path, cfg: MetaBenchConfig, log, progress):
+        self.root, self.cfg, self.log, self.progress = root, cfg, log, progress
+        self.data_dir = root / "metaserver"
+        self.meta: ServerProcess | None = None
+        self.fakes: FakeChunkservers | None = None
+        self.probe: StallProbe | None = None
+        self.channel = None
+        self.stub = None
+        self.windows: dict[str, tuple[float, float]] = {}
+        self.phases: dict[str, dict] = {}
+        self.chains: dict[int, list[bytes]] = {}  # the lookup chains' keys
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        self.meta = await asyncio.to_thread(start_metaserver, self.data_dir, extra=cfg.meta_flags(), run_dir=self.root)
+        self._connect()
+        replicas = (await self._status()).replicas
+        capacity = cfg.capacity_per_server(replicas)
+        self.fakes = await asyncio.to_thread(FakeChunkservers(self.meta.address, cfg.servers, capacity).start)
+        await self._wait_status(lambda st: sum(s.live for s in st.servers) >= cfg.servers and st.chains > 0,
+                                60, f"{cfg.servers} fake servers live")
+        self.probe = await asyncio.to_thread(StallProbe(self.meta.address).start)
+        report = {"metaserver": {"flags": cfg.meta_flags(), "replicas": replicas,
+                                 "heartbeat_interval_s": self.fakes.heartbeat_interval},
+                  "capacity_per_server": capacity, "block_footprint_bytes": block_footprint(),
+                  "block_bytes": LAYOUT.payload_bytes}
+        report["fill"] = await self._fill()
+        report["memory"], report["disk"] = await self._footprint()
+        targets, longest = await self._targets()
+
+        def sampler() -> Sampler:
+            return Sampler(self.stub, targets, cfg.samples, cfg.deadline)
+
+        async with self._phase("steady") as p:
+            p["lookups"] = await sampler().run()
+        await self._lifecycle_phase(sampler())
+        if cfg.evict:
+            await self._eviction_phase(sampler())
+        await self._repair_phase(sampler())
+        report["memory"]["hwm_bytes_before_restart"] = _proc_status(self.meta.pid).get("VmHWM")
+        samples = await asyncio.to_thread(self.probe.stop)
+        self.probe = None
+        for name, (t0, t1) in self.windows.items():
+            picked = [(d, ok) for t, d, ok in samples if t0 <= t < t1]
+            self.phases[name]["probe"] = {**_summary([d for d, _ in picked]),
+                                          "failed": sum(not ok for _, ok in picked)}
+        report["phases"] = self.phases
+        report["restart"] = await self._restart(longest)
+        final = await self._status()
+        report["status"] = {k: getattr(final, k) for k in STATUS_COUNTERS} if final else None
+        report["fakes"] = await asyncio.to_thread(self.fakes.counts)
+        lookups = [r for p in self.phases.values() for r in p.get("lookups", {}).values()]
+        report["answers"] = {"lookups": sum(r["count"] for r in lookups), "wrong": sum(r["wrong"] for r in lookups),
+                             "errors": sum(sum(r["errors"].values()) for r in lookups)}
+        report["metaserver"]["log_warnings"] = self._log_warnings()
+        if report["answers"]["wrong"] or report["answers"]["errors"] or not self.meta.alive() \
+                or report["fill"]["failed_batches"] or report["restart"].get("error"):
+            report["metaserver"]["log_tail"] = self.meta.log_tail(40)
+        return report
+
+    async def close(self) -> None:
+        for child in (self.probe, self.fakes):
+            if child is not None:
+                child.kill()
+        if self.channel is not None:
+            await self.channel.close()
+        if self.meta is not None:
+            await asyncio.to_thread(self.meta.stop, 60)
+
+    # ---- helpers ----------------------------------------------------------
+
+    def _connect(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.meta.address, options=CHANNEL_OPTIONS)
+        self.stub = meta_pb2_grpc.MetaServiceStub(self.channel)
+
+    async def _status(self) -> meta_pb2.StatusReply | None:
+        try:
+            return await self.stub.Status(meta_pb2.StatusRequest(), timeout=self.cfg.deadline)
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def _wait_status(self, condition, timeout: float, what: str, every: float = 0.2) -> float:
+        t0 = time.monotonic()
+        while True:
+            st = await self._status()
+            if st is not None and condition(st):
+                return time.monotonic() - t0
+            if not self.meta.alive():
+                raise TimeoutError(f"the metaserver exited ({self.meta.proc.returncode}) while waiting for {what}")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+            await asyncio.sleep(every)
+
+    @contextlib.asynccontextmanager
+    async def _phase(self, name: str):
+        """Times a phase for the probe and records what Status counters did meanwhile."""
+        before = await self._status()
+        entry = self.phases[name] = {}
+        t0 = time.monotonic()
+        try:
+            yield entry
+        finally:
+            self.windows[name] = (t0, time.monotonic())
+            entry["seconds"] = time.monotonic() - t0
+            after = await self._status()
+            if before is not None and after is not None:
+                entry["status_change"] = {k: getattr(after, k) - getattr(before, k) for k in STATUS_COUNTERS}
+
+    def _log_warnings(self) -> int:
+        try:
+            text = self.meta.log_path.read_text(errors="replace")
+        except OSError:
+            return 0
+        return sum(" WARNING " in line or " ERROR " in line for line in text.splitlines())
+
+    # ---- phases -----------------------------------------------------------
+
+    async def _fill(self) -> dict:
+        cfg = self.cfg
+        lengths = cfg.chain_lengths()
+        for i in range(max(0, len(lengths) - LOOKUP_CHAINS), len(lengths)):
+            self.chains[i] = []
+        task = self.progress.add_task("fill", total=cfg.blocks) if self.progress else None
+        fill = Fill(self.stub, cfg.deadline, total=cfg.blocks, stop=lambda: not self.meta.alive(),
+                    on_commit=(lambda n: self.progress.advance(task, n)) if task is not None else lambda n: None)
+        async with self._phase("fill"):
+            t0 = time.monotonic()
+            await fill.run(lengths, cfg.clients, self.chains)
+            seconds = time.monotonic() - t0
+        if task is not None:
+            self.progress.remove_task(task)
+        self.log(f"fill: {fill.committed} blocks committed in {seconds:.1f}s ({fill.committed / seconds:.0f} blocks/s)"
+                 f"; {fill.failed_batches} batches failed")
+        return {"blocks": fill.committed, "chains": len(lengths), "seconds": seconds,
+                "blocks_per_s": fill.committed / seconds, "deciles": fill.deciles(t0),
+                "already_present": fill.already, "refused": fill.refused, "failed_batches": fill.failed_batches,
+                "errors": dict(fill.errors)}
+
+    async def _footprint(self) -> tuple[dict, dict]:
+        st = await self._status()
+        held = st.blocks if st else 0
+        mem = _proc_status(self.meta.pid)
+        disk = _folder_bytes(self.data_dir)
+        per = lambda n: n / held if held and n is not None else None  # noqa: E731
+        return ({"blocks": held, "rss_bytes": mem.get("VmRSS"), "hwm_bytes": mem.get("VmHWM"),
+                 "rss_per_block": per(mem.get("VmRSS")), "hwm_per_block": per(mem.get("VmHWM")),
+                 "evicted_blocks": st.evicted_blocks if st else None},
+                {"blocks": held, "bytes": disk, "per_block": per(disk)})
+
+    async def _targets(self) -> tuple[list[Target], Target]:
+        """Hits of each size and misses after block 1, over the lookup chains, and the
+        longest hit. Each chain is hit a few times first, so that eviction keeps it."""
+        chains = [keys for keys in self.chains.values() if keys]
+        if not chains:
+            raise BenchAborted(f"none of the lookup chains was filled, nothing to look up; metaserver "
+                               f"{'running' if self.meta.alive() else 'exited'}, its log ends:\n{self.meta.log_tail()}")
+        shortest = min(len(k) for k in chains)
+        targets = [Target(f"hit {size}", [meta_pb2.MatchPrefixRequest(namespace=NS, keys=k[:size]) for k in chains],
+                          [size] * len(chains))
+                   for size in sorted({min(s, shortest) for s in HIT_SIZES})]
+        longest = targets[-1]
+        n = len(longest.requests[0].keys)
+        targets.append(Target(f"miss after 1 ({n} keys)", [meta_pb2.MatchPrefixRequest(
+            namespace=NS, keys=[k[0], *(os.urandom(16) for _ in range(n - 1))]) for k in chains],
+            [1] * len(chains)))
+        for _ in range(3):
+            for keys in chains:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.stub.MatchPrefix(meta_pb2.MatchPrefixRequest(namespace=NS, keys=keys),
+                                                timeout=self.cfg.deadline)
+        return targets, longest
+
+    async def _lifecycle_phase(self, sampler: Sampler) -> None:
+        runs, errors, done = [], collections.Counter(), asyncio.Event()
+
+        async def back_to_back():
+            while not done.is_set():
+                t0 = time.perf_counter()
+                try:
+                    await self.stub.RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=6 * self.cfg.deadline)
+                except grpc.aio.AioRpcError as err:
+                    errors[err.code().name] += 1
+                    await asyncio.sleep(0.1)  # not a spin on a metaserver that is gone
+                runs.append(time.perf_counter() - t0)
+
+        async with self._phase("lifecycle") as p:
+            task = asyncio.create_task(back_to_back())
+            p["lookups"] = await sampler.run()
+            done.set()
+            await task
+            p["lifecycle_runs"] = {**_summary(runs), "errors": dict(errors)}
+
+    async def _eviction_phase(self, sampler: Sampler) -> None:
+        """Writers add chains until the metaserver has evicted (the fakes get its deletes)
+        and the lookups have their samples; at most a fifth of the fill more."""
+        cfg = self.cfg
+        deleted0 = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0)
+        evicted = asyncio.Event()
+        more = Fill(self.stub, cfg.deadline,
+                    stop=lambda: not self.meta.alive() or (evicted.is_set() and sampler.rounds >= cfg.samples))
+        lengths = [cfg.chain] * max(1, cfg.blocks // 5 // cfg.chain)
+
+        async def watch():
+            while not evicted.is_set():
+                await asyncio.sleep(0.2)
+                if (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0:
+                    evicted.set()
+
+        async with self._phase("eviction") as p:
+            writes = asyncio.create_task(more.run(lengths, cfg.clients, {}))
+            watcher = asyncio.create_task(watch())
+            p["lookups"] = await sampler.run(keep_going=lambda: not writes.done())
+            await writes
+            watcher.cancel()
+            p["writes"] = {"blocks": more.committed, "failed_batches": more.failed_batches,
+                           "errors": dict(more.errors), "deletes_seen": evicted.is_set()}
+
+    async def _repair_phase(self, sampler: Sampler) -> None:
+        """One fake server goes silent; measured from when the metaserver marks it dead."""
+        victim = self.cfg.servers - 1
+        sid = server_id(victim)
+        copies0 = (await asyncio.to_thread(self.fakes.counts)).get("copies", 0)
+        await asyncio.to_thread(self.fakes.silence, victim)
+        try:
+            detect_s = error = None
+            try:
+                detect_s = await self._wait_status(lambda st: any(s.id == sid and not s.live for s in st.servers),
+                                                   120, f"{sid} seen dead", every=1.0)
+            except TimeoutError as err:  # measured all the same: what do lookups get now?
+                error = str(err)
+            first_copy: list[float] = []
+
+            async def watch(t0):
+                while True:
+                    await asyncio.sleep(0.2)
+                    if (await asyncio.to_thread(self.fakes.counts)).get("copies", 0) > copies0:
+                        first_copy.append(time.monotonic() - t0)
+                        return
+
+            async with self._phase("repair") as p:
+                watcher = asyncio.create_task(watch(time.monotonic()))
+                p["lookups"] = await sampler.run()
+                watcher.cancel()
+                p["silenced"] = sid
+                p["detect_s"] = detect_s
+                if error:
+                    p["error"] = error
+                p["first_copy_s"] = first_copy[0] if first_copy else None
+                p["copies"] = (await asyncio.to_thread(self.fakes.counts)).get("copies", 0) - copies0
+        finally:
+            await asyncio.to_thread(self.fakes.resume, victim)
+
+    async def _restart(self, full: Target) -> dict:
+        """SIGTERM, start again on the same data and address; a fresh channel afterwards,
+        so gRPC's reconnect backoff is not counted."""
+        out: dict = {"expected": full.expected[0]}
+        t0 = time.monotonic()
+        out["exit_code"] = await asyncio.to_thread(self.meta.stop, 120)
+        out["stop_s"] = time.monotonic() - t0
+        await self.channel.close()
+        t0 = time.monotonic()
+        try:
+            self.meta = await asyncio.to_thread(
+                start_metaserver, self.data_dir, listen=self.meta.address, extra=self.cfg.meta_flags(),
+                run_dir=self.root, timeout=max(120.0, self.cfg.blocks / 10_000))
+        except LaunchError as err:
+            out["error"] = str(err)
+            self._connect()
+            return out
+        out["serving_s"] = time.monotonic() - t0
+        self._connect()
+        deadline = t0 + max(120.0, self.cfg.blocks / 10_000)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await self.stub.MatchPrefix(full.requests[0], timeout=self.cfg.deadline)
+                out["matched"] = reply.matched
+                if full.right(0, reply):
+                    out["full_match_s"] = time.monotonic() - t0
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            out["error"] = f"no full match of a filled {full.expected[0]}-block chain within {deadline - t0:.0f}s"
+        out["rss_bytes"] = _proc_status(self.meta.pid).get("VmRSS")
+        return out
+
+
+def config_dict(cfg: MetaBenchConfig) -> dict:
+    return {**asdict(cfg), "batch": BATCH, "chunk_size": CHUNK_SIZE, "lookup_chains": LOOKUP_CHAINS,
+            "layout": {"layers": LAYOUT.layers, "block_tokens": LAYOUT.block_tokens, "kv_dim": LAYOUT.kv_dim,
+                       "dtype": LAYOUT.dtype}}
