@@ -80,7 +80,8 @@ class Allocations:
         layout = layout_of(layout_msg)
         self.members.refresh_liveness()
         spans = layout.chunks(self.cfg.chunk_size)
-        present = self.blocks.rows([namespace_digest + k for k in keys])
+        # an expired block not removed yet is written again (commit replaces it)
+        present = self.blocks.live_rows([namespace_digest + k for k in keys])
         new = sum(p is None for p in present)
         # room first: placement then counts the evicted chunks' space as free
         make_room(new * footprint(spans), {namespace_digest + k for k in (parent, *keys) if k})
@@ -141,9 +142,12 @@ class Allocations:
                                       f"for {len(chunks_by_key[block.key])} chunks")
         order = {k: i for i, k in enumerate(alloc.record.keys)}
         blocks = sorted(req.blocks, key=lambda b: order[b.key])  # parents before their children
-        present = self.blocks.rows([namespace_digest + b.key for b in blocks])
+        fulls = [namespace_digest + b.key for b in blocks]
+        stored = self.blocks.rows(fulls)
+        present = self.blocks.live_rows(fulls, stored)
+        replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present) if raw is not None and live is None}
         outside = sorted({parents[b.key] for b in blocks if parents[b.key]})
-        parent_present = dict(zip(outside, self.blocks.rows([namespace_digest + p for p in outside])))
+        parent_present = dict(zip(outside, self.blocks.live_rows([namespace_digest + p for p in outside])))
         now = self.clock()
         committed, already, garbage = 0, 0, []
         new: dict[bytes, Row] = {}
@@ -166,9 +170,10 @@ class Allocations:
             garbage += leftover
         # this allocation still counts as incoming; room was made for it when it was placed,
         # so this evicts only if capacity shrank or other writers got in first
-        make_room(0, {f[:KEY_BYTES] + r.parent for f, r in new.items() if r.parent})
+        # (nor may it take the blocks this commit writes or replaces)
+        make_room(0, {f[:KEY_BYTES] + r.parent for f, r in new.items() if r.parent} | set(fulls))
         batch = WriteBatch(raw_mode=True)
-        self.blocks.add(batch, list(new.items()))
+        garbage += self.blocks.add(batch, list(new.items()), {f: r for f, r in replaced.items() if f in new})
         batch.delete(ALLOC + req.allocation_id)
         self.db.write(batch)
         del self.open[req.allocation_id]

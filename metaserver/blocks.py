@@ -153,6 +153,19 @@ class BlockTable:
     def rows(self, fulls: list[bytes]) -> list[bytes | None]:
         return self.db.db.get([BLOCK + f for f in fulls]) if fulls else []
 
+    def live_rows(self, fulls: list[bytes], stored: list[bytes | None] | None = None) -> list[bytes | None]:
+        """rows(), with None also for blocks past their TTL that expiry has not removed yet."""
+        now = self.clock()
+        out = []
+        for full, raw in zip(fulls, self.rows(fulls) if stored is None else stored):
+            if raw is not None:
+                ttl, last_used, _, _ = Row.head(raw)
+                pending = self.hits.get(full)
+                if now > max(last_used, pending[1] if pending else 0.0) + ttl:
+                    raw = None
+            out.append(raw)
+        return out
+
     def row(self, full: bytes) -> Row | None:
         raw = self.db.get(BLOCK + full)
         return Row.decode(raw) if raw is not None else None
@@ -241,9 +254,24 @@ class BlockTable:
 
     # ---- commit ----------------------------------------------------------
 
-    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]]) -> None:
+    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]],
+            replaced: dict[bytes, Row] | None = None) -> list[meta_pb2.StoredChunk]:
         """Stages newly committed blocks (parents before children; each one's parent
-        is committed or among `new`) with their index entries."""
+        is committed or among `new`) with their index entries. `replaced` are the
+        expired rows some of them take the place of (their children stay theirs);
+        returns the replaced blocks' chunks, for deletion."""
+        replaced = replaced or {}
+        garbage = []
+        for full, old in replaced.items():
+            batch.delete(expiry_key(old.last_used + old.ttl, full))
+            batch.delete(victim_key(old.rank, old.last_used, old.depth, full))
+            batch.delete(SHORT + full)
+            for n in old.servers:
+                batch.delete(replica_key(n, full))
+            garbage += self.stored_chunks(old)
+            self.blocks -= 1
+            self.payload_bytes -= old.nbytes
+            self.cache_bytes -= old.footprint
         fresh = dict(new)
         parents_of_new = {f[:KEY_BYTES] + r.parent for f, r in new if r.parent}
         # committed parents: a leaf until now leaves the eviction index; depth from its row
@@ -269,7 +297,7 @@ class BlockTable:
             batch.put(expiry_key(row.last_used + row.ttl, full), b"")
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
-            if full not in parents_of_new:
+            if full not in parents_of_new and not (full in replaced and self.db.has_prefix(CHILD + full)):
                 batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
             for n in row.servers:
                 batch.put(replica_key(n, full), b"")
@@ -280,6 +308,7 @@ class BlockTable:
             self.cache_bytes += row.footprint
         self._trim_ghosts(batch)
         self._counters(batch)
+        return garbage
 
     def _trim_ghosts(self, batch: WriteBatch) -> None:
         over = self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks))

@@ -47,6 +47,7 @@ class MetaState:
         self.blocks = BlockTable(cfg, self.db, self.members, clock)
         self.allocations = Allocations(cfg, self.db, self.members, self.blocks, clock)
         self.undeleted: dict[str, dict[bytes, int]] = {}  # server id -> chunk id -> bytes: deletes to send
+        self.undeleted_bytes: dict[str, int] = {}  # server id -> the sum of its undeleted bytes
         self.queued_deletes = 0
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
@@ -75,7 +76,7 @@ class MetaState:
         self.members.register(req)
 
     def heartbeat(self, req: meta_pb2.HeartbeatRequest) -> bool:
-        return self.members.heartbeat(req, sum(self.undeleted.get(req.server_id, {}).values()))
+        return self.members.heartbeat(req, self.undeleted_bytes.get(req.server_id, 0))
 
     def is_live(self, state: ServerState) -> bool:
         return self.members.is_live(state)
@@ -128,28 +129,29 @@ class MetaState:
 
     def make_room(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE) -> int:
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
-        high watermark: leaves, lowest rank first, toward the low watermark, at most
-        `limit` blocks (the background pass takes the rest). Blocks in `pinned`, the
-        parents of open allocations' blocks, and all their ancestors stay. Returns
-        blocks evicted; their chunks go to the delete queue."""
+        high watermark: leaves, lowest rank first, until they fit under it (at most
+        `limit` blocks); the background pass (`evict_slice`) goes on down to the low
+        watermark. Blocks in `pinned`, the parents of open allocations' blocks, and all
+        their ancestors stay. Returns blocks evicted; their chunks go to the delete queue."""
         if not self.over_high(incoming):
             return 0
         self.evicting = True
-        return self._evict_to_low(incoming, pinned, limit)
+        # at least what comes in: past the high mark the disks may be full, and the new
+        # chunks must find room in the space this frees
+        return self._evict(incoming, pinned, limit, self.cfg.evict_high, at_least=incoming)
 
-    def _evict_to_low(self, incoming: int, pinned: set[bytes], limit: int) -> int:
+    def _evict(self, incoming: int, pinned: set[bytes], limit: int, watermark: float, at_least: int = 0) -> int:
+        """Evicts until cached blocks, open allocations and `incoming` fit under
+        `watermark` of capacity, and at least `at_least` bytes; at most `limit` blocks."""
         capacity = self.capacity_bytes()
         incoming += self.allocations.incoming_bytes()
         before = self.blocks.cache_bytes
-        need = before + incoming - int(self.cfg.evict_low * capacity)
+        need = max(at_least, before + incoming - int(watermark * capacity))
         if not capacity or need <= 0:
-            self.evicting = False
             return 0
         n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit)
         self.queue_deletes(chunks)
         after = self.blocks.cache_bytes
-        if n < limit:
-            self.evicting = False  # at the low watermark, or nothing more can go now
         # a warning when nothing could go: every leaf is under a write in flight
         log.log(logging.INFO if n else logging.WARNING,
                 "eviction (%s): %d blocks, %.1f MiB; cache %.1f%% -> %.1f%% of %.1f MiB, %.1f MiB being written",
@@ -164,6 +166,7 @@ class MetaState:
                 queued = self.undeleted.setdefault(sid, {})
                 if c.chunk_id not in queued:
                     queued[c.chunk_id] = c.length
+                    self.undeleted_bytes[sid] = self.undeleted_bytes.get(sid, 0) + c.length
                     self.queued_deletes += 1
                     if sid in self.servers:
                         self.servers[sid].freeing_bytes += c.length
@@ -176,10 +179,12 @@ class MetaState:
         """A server acknowledged these deletes (its next heartbeat shows the space free)."""
         queued = self.undeleted.get(server_id, {})
         for cid in chunk_ids:
-            if queued.pop(cid, None) is not None:
+            if (length := queued.pop(cid, None)) is not None:
                 self.queued_deletes -= 1
+                self.undeleted_bytes[server_id] -= length
         if not queued:
             self.undeleted.pop(server_id, None)
+            self.undeleted_bytes.pop(server_id, None)
 
     # ---- background slices -----------------------------------------------
 
@@ -219,12 +224,14 @@ class MetaState:
         while self.blocks.stranded:
             self.queue_deletes(self.blocks.drop_stranded())
 
-    def evict_slice(self, limit: int = 512) -> int:
+    def evict_slice(self, limit: int = 64) -> int:
         """Background eviction: once past the high watermark, down to the low one, a
-        slice at a time (a write evicts only up to EVICT_INLINE blocks itself)."""
-        if self.evicting or self.over_high():
-            return self._evict_to_low(0, frozenset(), limit)
-        return 0
+        slice at a time (a write evicts only what takes it under the high one)."""
+        if not (self.evicting or self.over_high()):
+            return 0
+        n = self._evict(0, frozenset(), limit, self.cfg.evict_low)
+        self.evicting = n == limit  # stop at the low watermark, or when nothing more can go now
+        return n
 
     def expire_allocations(self) -> tuple[int, list]:
         return self.allocations.expire()

@@ -102,3 +102,36 @@ def flip_stored_byte(data_dir: pathlib.Path, chunk: bytes, at: int) -> str | Non
             flip_bytes(slot_file, pos + at)
             return f"{slot_file.relative_to(data_dir)}+{pos + at}"
     return None
+
+
+def block_rows(state) -> dict:
+    """Every block row a MetaState holds: full key -> records.Row."""
+    from kvfs.metaserver import records
+
+    return {k[1:]: records.Row.decode(v) for k, v in state.db.scan(records.BLOCK)}
+
+
+def keys_under(state, prefix: bytes) -> set[bytes]:
+    """The keys of a MetaState's RocksDB under `prefix`."""
+    return {k for k, _ in state.db.scan(prefix)}
+
+
+def assert_metadata_consistent(state):
+    """A MetaState's rows, indexes and counters agree, and every block's parent is stored."""
+    from kvfs.metaserver import records
+
+    stored = block_rows(state)
+    parent = {f: f[:16] + r.parent for f, r in stored.items() if r.parent}
+    assert all(p in stored for p in parent.values()), "a cached block lost its parent"
+    children = {(p, f) for f, p in parent.items()}
+    assert keys_under(state, records.CHILD) == {records.child_key(p, f) for p, f in children}
+    leaves = set(stored) - set(parent.values())
+    assert keys_under(state, records.VICTIM) == {records.victim_key(r.rank, r.last_used, r.depth, f)
+                                                 for f, r in stored.items() if f in leaves}
+    assert keys_under(state, records.EXPIRY) == {records.expiry_key(r.last_used + r.ttl, f)
+                                                 for f, r in stored.items()}
+    assert keys_under(state, records.REPLICA) == {records.replica_key(n, f) for f, r in stored.items()
+                                                  for n in r.servers}
+    assert len(state.blocks) == len(stored)
+    assert state.cache_bytes == sum(r.footprint for r in stored.values())
+    assert all(r.depth == (stored[parent[f]].depth + 1 if f in parent else 0) for f, r in stored.items())
