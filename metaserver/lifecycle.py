@@ -240,6 +240,7 @@ class Lifecycle:
             await asyncio.sleep(FLUSH_EVERY)
             try:
                 await self.drain(self.state.flush_slice, 4 * SLICE)
+                await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
                 evicted = 0
                 while not self.state.deletes_backed_up() and (n := await self._evict_turn()):

@@ -221,8 +221,16 @@ class MetaState:
         return chunks
 
     def drain_stranded(self) -> None:
+        """Drops every queued descendant of removed blocks now (tests and shutdown;
+        the server does it a slice at a time, `stranded_slice`)."""
         while self.blocks.stranded:
             self.queue_deletes(self.blocks.drop_stranded())
+
+    def stranded_slice(self, limit: int = 64) -> int:
+        """Drops up to `limit` descendants of removed blocks; their chunks go to the delete queue."""
+        before = self.blocks.stranded_dropped
+        self.queue_deletes(self.blocks.drop_stranded(limit))
+        return self.blocks.stranded_dropped - before
 
     def evict_slice(self, limit: int = 64) -> int:
         """Background eviction: once past the high watermark, down to the low one, a
@@ -266,14 +274,13 @@ class MetaState:
 
     def drop_lost_blocks(self, full_keys: list[bytes]) -> list:
         """Blocks with a chunk no live server holds: gone from metadata (a cache: the
-        next request recomputes them), with their descendants (queued for deletion
-        as they go); returns the blocks' own chunks, for deletion."""
+        next request recomputes them); their descendants follow in background slices
+        (`stranded_slice`). Returns the blocks' own chunks, for deletion."""
         if not full_keys:
             return []
         chunks = self.blocks.drop(full_keys)
         self.blocks.lost += len(full_keys)
         log.warning("%d blocks lost every copy of a chunk; dropped from metadata", len(full_keys))
-        self.drain_stranded()
         return chunks
 
     def under_replicated(self, limit: int = 1 << 30) -> tuple[list[Repair], list[bytes]]:

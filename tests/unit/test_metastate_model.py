@@ -96,6 +96,7 @@ def run(state, steps, clock, reopen):
                     owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=keys[args[1]])
                     state.chunks_lost(server, [(chunk.chunk_id, owner)])
                 assert state.blocks.row(NS.digest + keys[args[1]]) is None
+                state.drain_stranded()  # what the background pass does within a second
         elif op == "reopen":
             state.close()
             state = reopen()
