@@ -254,12 +254,14 @@ class BlockTable:
 
     # ---- commit ----------------------------------------------------------
 
-    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]],
-            replaced: dict[bytes, Row] | None = None) -> list[meta_pb2.StoredChunk]:
+    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]], replaced: dict[bytes, Row] | None = None,
+            check_short: bool = False) -> list[meta_pb2.StoredChunk]:
         """Stages newly committed blocks (parents before children; each one's parent
         is committed or among `new`) with their index entries. `replaced` are the
         expired rows some of them take the place of (their children stay theirs);
-        returns the replaced blocks' chunks, for deletion."""
+        returns the replaced blocks' chunks, for deletion. With `check_short`, blocks
+        with a chunk on fewer than `replicas` servers join repair's queue (placement
+        never makes such blocks; a rebuild can find them)."""
         replaced = replaced or {}
         garbage = []
         for full, old in replaced.items():
@@ -301,8 +303,8 @@ class BlockTable:
                 batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
             for n in row.servers:
                 batch.put(replica_key(n, full), b"")
-            if any(len(c.replicas) < self.cfg.replicas for c in row.block_location().chunks):
-                batch.put(SHORT + full, b"")  # placed short of copies: repair adds them
+            if check_short and any(len(c.replicas) < self.cfg.replicas for c in row.block_location().chunks):
+                batch.put(SHORT + full, b"")  # found short of copies: repair adds them
             self.blocks += 1
             self.payload_bytes += row.nbytes
             self.cache_bytes += row.footprint
@@ -566,11 +568,12 @@ class BlockTable:
                 now: float, created: float | None = None) -> Row:
         """A row for a block about to be committed; `chunks` are (chunk_id, offset,
         length, checksum, server numbers)."""
-        loc = meta_pb2.BlockLocation(key=full[KEY_BYTES:], layout=layout)
-        for cid, offset, length, checksum, servers in chunks:
-            loc.chunks.add(chunk_id=cid, offset=offset, length=length, checksum=checksum, replicas=servers)
+        loc = meta_pb2.BlockLocation(key=full[KEY_BYTES:], layout=layout,
+                                     chunks=[meta_pb2.ChunkLocation(chunk_id=cid, offset=offset, length=length,
+                                                                    checksum=checksum, replicas=servers)
+                                             for cid, offset, length, checksum, servers in chunks])
         return Row(ttl=int(self.ttl_of(ttl_class)), depth=0, hits=1, created=now if created is None else created,
-                   last_used=now, rank=0.0, footprint=footprint(loc.chunks),
-                   nbytes=sum(c.length for c in loc.chunks), parent=parent,
-                   servers=tuple(sorted({s for c in loc.chunks for s in c.replicas})), ttl_class=ttl_class,
+                   last_used=now, rank=0.0, footprint=sum(slot_bytes(c[2]) for c in chunks),
+                   nbytes=sum(c[2] for c in chunks), parent=parent,
+                   servers=tuple(sorted({s for c in chunks for s in c[4]})), ttl_class=ttl_class,
                    location=frame(loc))

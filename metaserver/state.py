@@ -376,7 +376,7 @@ class MetaState:
             restored += 1
         for i in range(0, len(new), 1024):
             batch = WriteBatch(raw_mode=True)
-            self.blocks.add(batch, new[i : i + 1024])
+            self.blocks.add(batch, new[i : i + 1024], check_short=True)
             self.db.write(batch)
         return restored, incomplete
 
