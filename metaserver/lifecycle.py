@@ -21,11 +21,11 @@ import os
 import time
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
+from .records import parse_owner
 from .state import MetaState
 
 log = logging.getLogger(__name__)
@@ -42,15 +42,6 @@ ORPHAN_SWEEP_RATE = 20_000  # chunks per second the background orphan sweep chec
 SLICE_STALL = float(os.environ.get("KVFS_METASERVER_TEST_SLICE_STALL", 0))
 
 
-
-
-def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
-    if not raw:
-        return None
-    try:
-        return meta_pb2.ChunkOwner.FromString(raw)
-    except DecodeError:
-        return None
 
 
 class Lifecycle:
@@ -251,26 +242,24 @@ class Lifecycle:
                 log.exception("flush round failed")
 
     async def rebuild(self) -> meta_pb2.RebuildReply:
-        """Reconstructs committed blocks from the live servers' inventories."""
+        """Reconstructs committed blocks from the live servers' inventories: every chunk
+        found is staged in RocksDB under its block (a page at a time), then the staged
+        blocks are restored a slice at a time, so memory and each turn on the event
+        loop stay bounded whatever the size of the inventories."""
         async with self._lock:
-            found: dict[bytes, dict] = {}
+            self.state.rebuild_begin()
             seen = 0
             for sid in self.state.live_servers():
                 async for page in self._inventory_pages(sid):
-                    for info in page:  # collecting only: restore_blocks below writes in batches
-                        seen += 1
-                        owner = parse_owner(info.owner)
-                        if owner is None or not owner.block_key:
-                            continue
-                        entry = found.setdefault(owner.namespace_digest + owner.block_key,
-                                                 {"owner": owner, "chunks": {}})
-                        have = entry["chunks"].get(owner.chunk_index)
-                        if have is None:
-                            entry["chunks"][owner.chunk_index] = (info.chunk_id, info.length, info.checksum,
-                                                                  info.created, [sid])
-                        elif have[0] == info.chunk_id:
-                            have[4].append(sid)
-                    await asyncio.sleep(0)
-            restored, incomplete = self.state.restore_blocks(found)
+                    async with self.turn():
+                        self.state.rebuild_stage(sid, page)
+                    seen += len(page)
+            restored = incomplete = 0
+            while True:
+                async with self.turn():
+                    r, i = self.state.rebuild_slice(SLICE)
+                if not r and not i:
+                    break
+                restored, incomplete = restored + r, incomplete + i
             log.info("rebuild: %d chunks seen, %d blocks restored, %d incomplete", seen, restored, incomplete)
             return meta_pb2.RebuildReply(blocks_restored=restored, blocks_incomplete=incomplete, chunks_seen=seen)

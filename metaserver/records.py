@@ -12,6 +12,7 @@ range scan that starts where the work is:
     u ns key                  -> b""   blocks known short of copies (repair's queue)
     g ns key                  -> hits  ghost: hit counts of evicted blocks (LFU-DA)
     h seq ns key              -> b""   the ghost's order, oldest first (trimmed from the front)
+    t ns key index server     -> chunk  rebuild's staging: chunks found in inventories, a block's together
     a allocation id           -> AllocationRecord
     s server id               -> ServerRecord (with its number)
     m name                    -> a counter (blocks, bytes, cache footprint, aging)
@@ -31,13 +32,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
 FULL = 2 * KEY_BYTES  # namespace digest + block key
 
 BLOCK, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"c", b"x", b"v", b"r", b"u"
-GHOST, GHOST_ORDER = b"g", b"h"
+GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 
 FORMAT = 2  # of this layout; a database of another format is refused at start
@@ -77,6 +80,23 @@ def replica_key(server: int, full: bytes) -> bytes:
 
 def replica_prefix(server: int) -> bytes:
     return REPLICA + _U16.pack(server)
+
+
+_STAGED = struct.Struct(">16sQQd")  # chunk id, length, checksum, created; then the owner record
+
+
+def staged_chunk(full: bytes, index: int, server: int, chunk_id: bytes, length: int, checksum: int,
+                 created: float, owner: bytes) -> tuple[bytes, bytes]:
+    """A chunk a rebuild found on a server: its staging key and value."""
+    return (STAGED + full + _U16.pack(index) + _U16.pack(server),
+            _STAGED.pack(chunk_id, length, checksum, created) + owner)
+
+
+def read_staged(key: bytes, value: bytes) -> tuple[bytes, int, int, bytes, int, int, float, bytes]:
+    """(full key, chunk index, server number, chunk id, length, checksum, created, owner record)."""
+    chunk_id, length, checksum, created = _STAGED.unpack_from(value)
+    index, server = _U16.unpack_from(key, 1 + FULL)[0], _U16.unpack_from(key, 3 + FULL)[0]
+    return key[1 : 1 + FULL], index, server, chunk_id, length, checksum, created, value[_STAGED.size :]
 
 
 def u64(n: int) -> bytes:
@@ -185,3 +205,14 @@ def server_entry(record: meta_pb2.ServerRecord | None) -> bytes:
     body = meta_pb2.Server(id=record.id, address=record.address, failure_domain=record.failure_domain,
                            data_address=record.data_address).SerializeToString()
     return b"\x1a" + _varint(len(body)) + body
+
+
+def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
+    """A chunk's owner record (written by its writer, kept by the chunkserver), or
+    None if there is none or it does not parse."""
+    if not raw:
+        return None
+    try:
+        return meta_pb2.ChunkOwner.FromString(raw)
+    except DecodeError:
+        return None

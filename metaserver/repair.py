@@ -36,7 +36,8 @@ import grpc
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
-from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle, parse_owner
+from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle
+from .records import parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import handles_errors
 
-from .lifecycle import Lifecycle, parse_owner
+from .lifecycle import Lifecycle
+from .records import parse_owner
 from .state import MetaState
 
 # After an eviction, how long a writer's call waits for the deletes to reach the

@@ -27,8 +27,10 @@ from kvfs.proto import meta_pb2
 from .allocations import Allocations, check_keys
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
+from . import records
 from .db import MetaDB
 from .membership import Membership, ServerState
+from .records import parse_owner
 
 log = logging.getLogger(__name__)
 
@@ -336,49 +338,93 @@ class MetaState:
         return bool(self.blocks.holds(owner.namespace_digest + owner.block_key, chunk_id,
                                       self.servers[server_id].number))
 
-    def restore_blocks(self, found: dict[bytes, dict]) -> tuple[int, int]:
-        """Rebuild: commits blocks whose every chunk was found on some server.
+    # ---- rebuild --------------------------------------------------------
 
-        `found` maps namespace digest + key to {"owner": ChunkOwner, "chunks":
-        {index: (chunk_id, length, checksum, created, [server ids])}}.
-        """
+    def rebuild_begin(self) -> None:
+        """Forgets what an earlier rebuild staged and did not finish."""
+        self.db.db.delete_range(records.STAGED, records.STAGED + b"\xff")
+
+    def rebuild_stage(self, server_id: str, chunks) -> int:
+        """Stages chunks (ListChunks entries) a rebuild found on a server, each under its
+        block, so that the blocks can then be restored a slice at a time. Returns
+        chunks staged (those without an owner record naming a block are skipped)."""
+        server = self.servers[server_id].number
+        batch = WriteBatch(raw_mode=True)
+        n = 0
+        for info in chunks:
+            owner = parse_owner(info.owner)
+            if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF:
+                continue
+            batch.put(*records.staged_chunk(owner.namespace_digest + owner.block_key, owner.chunk_index, server,
+                                            info.chunk_id, info.length, info.checksum, info.created, info.owner))
+            n += 1
+        self.db.write(batch)
+        return n
+
+    def rebuild_slice(self, limit: int = 64) -> tuple[int, int]:
+        """Restores up to `limit` staged blocks whose every chunk was found on some
+        server (first copy found wins; the servers holding that same chunk id are its
+        replicas) and removes them from the staging table. Returns (restored,
+        incomplete); (0, 0) once nothing is staged."""
+        groups: dict[bytes, list] = {}
+        staged_keys = []
+        for key, value in self.db.scan(records.STAGED):
+            entry = records.read_staged(key, value)
+            if entry[0] not in groups and len(groups) == limit:
+                break
+            groups.setdefault(entry[0], []).append(entry)
+            staged_keys.append(key)
+        if not groups:
+            return 0, 0
         restored = incomplete = 0
         now = self.clock()
         # chunks of open allocations belong to writes still under way (or cut short): their
         # writer commits them, or allocation expiry deletes them, so a block made of them
         # here would lose its chunks under it
         open_chunks = self.open_allocation_chunks()
-        fulls = list(found)
+        fulls = list(groups)
         new = []
         for full, raw in zip(fulls, self.blocks.rows(fulls)):
-            owner, chunks = found[full]["owner"], found[full]["chunks"]
             if raw is not None:
-                continue
-            if any(c[0] in open_chunks for c in chunks.values()) or sorted(chunks) != list(range(owner.chunk_count)):
+                continue  # metadata has it
+            row = self._rebuilt_row(full, groups[full], open_chunks, now)
+            if row is None:
                 incomplete += 1
-                continue
-            try:
-                layout = layout_of(owner.layout)
-            except InvalidArgument:
-                incomplete += 1
-                continue
-            spans = layout.chunks(owner.chunk_size or self.cfg.chunk_size)
-            if len(spans) != owner.chunk_count or any(chunks[s.index][1] != s.length for s in spans):
-                incomplete += 1
-                continue
-            stored = [(chunks[s.index][0], s.offset, chunks[s.index][1], chunks[s.index][2],
-                       self.members.numbers(sid for sid in chunks[s.index][4] if sid in self.servers))
-                      for s in spans]
-            ttl_class = owner.ttl_class if owner.ttl_class in self.blocks.ttls else self.cfg.default_ttl_class
-            # chunk owner records do not name the parent: rebuilt blocks are roots to eviction
-            new.append((full, self.blocks.new_row(full, owner.layout, stored, b"", ttl_class, now,
-                                                  created=min(c[3] for c in chunks.values()))))
-            restored += 1
-        for i in range(0, len(new), 1024):
-            batch = WriteBatch(raw_mode=True)
-            self.blocks.add(batch, new[i : i + 1024], check_short=True)
-            self.db.write(batch)
+            else:
+                new.append((full, row))
+                restored += 1
+        batch = WriteBatch(raw_mode=True)
+        self.blocks.add(batch, new, check_short=True)
+        for key in staged_keys:
+            batch.delete(key)
+        self.db.write(batch)
         return restored, incomplete
+
+    def _rebuilt_row(self, full: bytes, entries: list, open_chunks: set[bytes], now: float) -> records.Row | None:
+        """A block's row from the chunks a rebuild found of it, or None if some chunk is
+        missing, belongs to an open allocation, or does not fit the block's layout."""
+        owner = parse_owner(entries[0][7])
+        chunks: dict[int, list] = {}  # index -> [chunk id, length, checksum, created, server numbers]
+        for _, index, server, chunk_id, length, checksum, created, _ in entries:
+            have = chunks.setdefault(index, [chunk_id, length, checksum, created, []])
+            if have[0] == chunk_id:
+                have[4].append(server)
+        if owner is None or any(c[0] in open_chunks for c in chunks.values()) or \
+                sorted(chunks) != list(range(owner.chunk_count)):
+            return None
+        try:
+            layout = layout_of(owner.layout)
+        except InvalidArgument:
+            return None
+        spans = layout.chunks(owner.chunk_size or self.cfg.chunk_size)
+        if len(spans) != owner.chunk_count or any(chunks[s.index][1] != s.length for s in spans):
+            return None
+        stored = [(chunks[s.index][0], s.offset, chunks[s.index][1], chunks[s.index][2], chunks[s.index][4])
+                  for s in spans]
+        ttl_class = owner.ttl_class if owner.ttl_class in self.blocks.ttls else self.cfg.default_ttl_class
+        # chunk owner records do not name the parent: rebuilt blocks are roots to eviction
+        return self.blocks.new_row(full, owner.layout, stored, b"", ttl_class, now,
+                                   created=min(c[3] for c in chunks.values()))
 
     # ---- counters ----------------------------------------------------------
 

@@ -179,3 +179,35 @@ def test_silent_servers_leave_chunks_short_of_copies_and_blocks_without_any_are_
     garbage = state.drop_lost_blocks(lost)
     assert state.blocks_lost == len(lost) and len(garbage) >= len(lost)
     assert state.under_replicated()[1] == []
+
+
+def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventories(make_state):
+    from kvfs.metaserver import records
+    from kvfs.proto import chunk_pb2
+
+    from helpers import assert_metadata_consistent, keys_under
+
+    state = make_state()
+    keys = block_keys(NS, range(16), 4)  # 4 blocks of one 256-byte chunk each
+    lengths = {0: LAYOUT.payload_bytes}
+
+    def info(key, index=0, chunk_id=None, length=None):
+        owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=key, chunk_index=index, chunk_count=1,
+                                    layout=LAYOUT_MSG, ttl_class="chat", chunk_size=64 * 1024)
+        return chunk_pb2.ChunkInfo(chunk_id=chunk_id or key, length=lengths[0] if length is None else length,
+                                   checksum=5, created=900.0, owner=owner.SerializeToString())
+
+    state.rebuild_begin()
+    # block 0 on two servers, 1 on one, 2 with a chunk of the wrong length, 3 found nowhere, plus junk
+    assert state.rebuild_stage("cs-0", [info(keys[0]), info(keys[1]), chunk_pb2.ChunkInfo(chunk_id=b"j" * 16)]) == 2
+    assert state.rebuild_stage("cs-1", [info(keys[0]), info(keys[2], length=100)]) == 2
+    slices = []
+    while (done := state.rebuild_slice(limit=1)) != (0, 0):
+        slices.append(done)
+    assert sorted(slices) == [(0, 1), (1, 0), (1, 0)]  # one block per slice; block 2 incomplete
+    assert not keys_under(state, records.STAGED)  # the staging table is emptied as it goes
+    assert keys_under(state, records.SHORT) == {records.SHORT + NS.digest + keys[1]}  # one copy: repair's queue
+    assert state.match(NS.digest, keys).matched == 2
+    reply = state.match(NS.digest, keys[:1])
+    assert {reply.servers[i].id for i in reply.blocks[0].chunks[0].replicas} == {"cs-0", "cs-1"}
+    assert_metadata_consistent(state)
