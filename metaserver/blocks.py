@@ -34,7 +34,7 @@ from kvfs.proto import meta_pb2
 from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership
-from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, REPLICA, SHORT, VICTIM, Row, child_key,
+from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, SHORT, VICTIM, Row, child_key,
                       expiry_key, frame, reframe_live, replica_key, replica_prefix, reply_tail, u64, victim_key)
 
 log = logging.getLogger(__name__)

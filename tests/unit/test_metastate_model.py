@@ -7,7 +7,7 @@ import shutil
 import tempfile
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver.config import MetaserverConfig
