@@ -26,6 +26,8 @@ from .records import ALLOC, Row
 
 log = logging.getLogger(__name__)
 
+COMMIT_PIECE = 64  # blocks whose rows a commit builds between two turns of the event loop
+
 
 @dataclass(slots=True)
 class Allocation:
@@ -118,6 +120,19 @@ class Allocations:
         """Commits blocks of an allocation; returns (committed, already present,
         chunks that became garbage: those of blocks someone else committed first,
         and of blocks whose parent expired meanwhile, which nothing could reach)."""
+        steps = self.commit_steps(namespace_digest, req, make_room)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def commit_steps(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
+                     make_room: Callable[[int, set[bytes]], object]):
+        """commit() as a generator that yields between pieces of COMMIT_PIECE blocks, so
+        a server can serve other calls while a large commit builds its rows. What the
+        commit decides (first writer wins, parents present, room) is decided after the
+        last piece, in one step with the write, so interleaving cannot change it."""
         alloc = self.open.get(req.allocation_id)
         if alloc is None:
             raise NotFound("allocation not found: it expired or was committed already; allocate again")
@@ -142,13 +157,24 @@ class Allocations:
                                       f"for {len(chunks_by_key[block.key])} chunks")
         order = {k: i for i, k in enumerate(alloc.record.keys)}
         blocks = sorted(req.blocks, key=lambda b: order[b.key])  # parents before their children
+        now = self.clock()
+        rows: dict[bytes, Row] = {}  # each block's row, should it be committed
+        for i, block in enumerate(blocks):
+            if i and i % COMMIT_PIECE == 0:
+                yield
+            full = namespace_digest + block.key
+            stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
+                      for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
+            rows[full] = self.blocks.new_row(full, alloc.record.layout, stored, parents[block.key], ttl_class, now)
+        yield
+        if self.open.get(req.allocation_id) is not alloc:
+            raise NotFound("allocation not found: it expired or was committed meanwhile; allocate again")
         fulls = [namespace_digest + b.key for b in blocks]
         stored = self.blocks.rows(fulls)
         present = self.blocks.live_rows(fulls, stored)
         replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present) if raw is not None and live is None}
         outside = sorted({parents[b.key] for b in blocks if parents[b.key]})
         parent_present = dict(zip(outside, self.blocks.live_rows([namespace_digest + p for p in outside])))
-        now = self.clock()
         committed, already, garbage = 0, 0, []
         new: dict[bytes, Row] = {}
         for block, existing in zip(blocks, present):
@@ -162,9 +188,7 @@ class Allocations:
             if parent and namespace_digest + parent not in new and parent_present.get(parent) is None:
                 garbage += chunks  # its parent expired or was lost since the allocation
                 continue
-            stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
-                      for c, xxh in zip(chunks, block.chunk_checksums)]
-            new[full] = self.blocks.new_row(full, alloc.record.layout, stored, parent, ttl_class, now)
+            new[full] = rows[full]
             committed += 1
         for leftover in chunks_by_key.values():  # allocated but not committed: abandoned
             garbage += leftover

@@ -81,7 +81,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     async def CommitBlocks(self, request, context):
         evicted = self.state.evicted_blocks
-        committed, already, garbage = self.state.commit(namespace_digest(request.namespace), request)
+        committed, already, garbage = await self.state.commit_async(namespace_digest(request.namespace), request)
         self.lifecycle.queue_deletes(garbage)
         await self.state.durable()
         await self._free_evicted(evicted)

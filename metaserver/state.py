@@ -14,6 +14,7 @@ injectable clock so expiry is testable.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -110,6 +111,16 @@ class MetaState:
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         return self.allocations.commit(namespace_digest, req, self.make_room)
+
+    async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
+        """commit(), letting the event loop serve other calls between pieces of a large one."""
+        steps = self.allocations.commit_steps(namespace_digest, req, self.make_room)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(0)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
         """MatchPrefix's reply, serialized."""

@@ -211,3 +211,37 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
     reply = state.match(NS.digest, keys[:1])
     assert {reply.servers[i].id for i in reply.blocks[0].chunks[0].replicas} == {"cs-0", "cs-1"}
     assert_metadata_consistent(state)
+
+
+def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(make_state):
+    from helpers import assert_metadata_consistent
+
+    state = make_state()
+    keys = block_keys(NS, range(4 * 200), 4)  # 200 blocks: a commit of several pieces
+    reqs = []
+    for _ in range(2):
+        alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+        req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+        for b in alloc.blocks:
+            req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+        reqs.append((alloc, req))
+    first = state.allocations.commit_steps(NS.digest, reqs[0][1], state.make_room)
+    second = state.allocations.commit_steps(NS.digest, reqs[1][1], state.make_room)
+    results = {}
+    pending = {"first": first, "second": second}
+    while pending:  # alternate one piece of each, as two RPCs would on the event loop
+        for name, steps in list(pending.items()):
+            try:
+                next(steps)
+            except StopIteration as done:
+                results[name] = done.value
+                del pending[name]
+    (c1, a1, g1), (c2, a2, g2) = results["first"], results["second"]
+    assert sorted([(c1, a1), (c2, a2)]) == [(0, 200), (200, 0)]  # one commit wins every block
+    loser = reqs[0][0] if c1 == 0 else reqs[1][0]
+    assert {c.chunk_id for c in (g1 or g2)} == {c.chunk_id for b in loser.blocks for c in b.chunks}
+    winner = reqs[1][0] if c1 == 0 else reqs[0][0]
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 200
+    assert [c.chunk_id for b in reply.blocks for c in b.chunks] == [c.chunk_id for b in winner.blocks for c in b.chunks]
+    assert_metadata_consistent(state)
