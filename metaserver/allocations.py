@@ -151,6 +151,8 @@ class Allocations:
         unknown = [k for k in keys if k not in chunks_by_key]
         if unknown:
             raise InvalidArgument(f"block {unknown[0].hex()} is not part of this allocation")
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("a block key appears twice in one CommitBlocks")
         for block in req.blocks:
             if len(block.chunk_checksums) != len(chunks_by_key[block.key]):
                 raise InvalidArgument(f"block {block.key.hex()}: {len(block.chunk_checksums)} checksums "

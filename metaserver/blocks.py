@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_HITS = 500_000  # blocks hit since the last flush; past it, more hits are not recorded
 FIRST_BATCH = 32  # a lookup reads keys in batches growing 4x from this, stopping at the first miss
+GHOST_TRIM = 256  # ghosts one commit may forget
 
 
 def slot_bytes(length: int) -> int:
@@ -101,11 +102,11 @@ class Ranks:
         batch.put(GHOST_ORDER + u64(table.ghost_seq) + full, b"")
         table.ghosts += 1
 
-    def remembered(self, fulls: list[bytes]) -> list[int]:
-        """Hit counts the ghost holds for these blocks (0 where none)."""
+    def remembered(self, fulls: list[bytes]) -> list[tuple[int, int] | None]:
+        """(hit count, ghost sequence) the ghost holds for each of these blocks, or None."""
         if self.policy != "lfuda" or not fulls:
-            return [0] * len(fulls)
-        return [struct.unpack(">IQ", raw)[0] if raw else 0 for raw in self.db.db.get([GHOST + f for f in fulls])]
+            return [None] * len(fulls)
+        return [struct.unpack(">IQ", raw) if raw else None for raw in self.db.db.get([GHOST + f for f in fulls])]
 
 
 @dataclass
@@ -287,19 +288,23 @@ class BlockTable:
             if not self.db.has_prefix(CHILD + parent):
                 batch.delete(victim_key(prow.rank, prow.last_used, prow.depth, parent))
         remembered = self.ranks.remembered([f for f, _ in new])
-        for (full, row), ghost_hits in zip(new, remembered):
+        consumed = set()
+        for (full, row), ghost in zip(new, remembered):
             parent = full[:KEY_BYTES] + row.parent if row.parent else None
             row.depth = depth[full] = depth.get(parent, -1) + 1 if parent else 0
-            if ghost_hits:
-                row.hits += ghost_hits
-                batch.delete(GHOST + full)  # its order entry is trimmed in turn
+            if ghost is not None:
+                row.hits += ghost[0]
+                batch.delete(GHOST + full)
+                batch.delete(GHOST_ORDER + u64(ghost[1]) + full)
+                consumed.add(full)
                 self.ghosts -= 1
             row.rank = self.ranks.rank(row.hits, row.last_used)
             batch.put(BLOCK + full, row.encode())
             batch.put(expiry_key(row.last_used + row.ttl, full), b"")
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
-            if full not in parents_of_new and not (full in replaced and self.db.has_prefix(CHILD + full)):
+            # a leaf, unless children of an earlier life of this block are still stored
+            if full not in parents_of_new and not self.db.has_prefix(CHILD + full):
                 batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
             for n in row.servers:
                 batch.put(replica_key(n, full), b"")
@@ -308,17 +313,21 @@ class BlockTable:
             self.blocks += 1
             self.payload_bytes += row.nbytes
             self.cache_bytes += row.footprint
-        self._trim_ghosts(batch)
+        self._trim_ghosts(batch, consumed)
         self._counters(batch)
         return garbage
 
-    def _trim_ghosts(self, batch: WriteBatch) -> None:
-        over = self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks))
+    def _trim_ghosts(self, batch: WriteBatch, consumed: set[bytes]) -> None:
+        """Forgets the oldest ghosts past the bound, at most GHOST_TRIM per call (a
+        commit's worth of work; the next commits take the rest)."""
+        over = min(GHOST_TRIM, self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks)))
         if over <= 0:
             return
         for key, _ in self.db.scan(GHOST_ORDER, limit=over):
             full = key[-FULL:]
             batch.delete(key)
+            if full in consumed:
+                continue
             raw = self.db.get(GHOST + full)
             if raw is not None and struct.unpack(">IQ", raw)[1] == struct.unpack_from(">Q", key, 1)[0]:
                 batch.delete(GHOST + full)

@@ -16,6 +16,8 @@ def parse_ttl_classes(text: str) -> dict[str, float]:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"bad TTL class {item!r}: expected name=duration, e.g. chat=7d")
+        if len(name.strip().encode()) > 255:
+            raise ValueError(f"TTL class name {name.strip()[:20]!r}... is longer than 255 bytes")
         classes[name.strip()] = parse_duration(value)
     if not classes:
         raise ValueError("at least one TTL class is needed")

@@ -66,15 +66,18 @@ class Lifecycle:
                 time.sleep(SLICE_STALL)
             await asyncio.sleep(time.perf_counter() - t0)
 
-    async def drain(self, step, *args) -> int:
-        """Runs `step(*args)` (returning work done) a turn at a time until it does none."""
+    async def drain(self, step, *args, most: int | None = None) -> int:
+        """Runs `step(*args)` (returning work done) a turn at a time until it does none,
+        or, with `most`, until that much is done (work that keeps arriving, such as
+        hits, must not keep a pass from the rest of its round)."""
         total = 0
-        while True:
+        while most is None or total < most:
             async with self.turn():
                 n = step(*args)
             if not n:
-                return total
+                break
             total += n
+        return total
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -107,6 +110,9 @@ class Lifecycle:
 
     async def _delete_queued(self) -> int:
         async with self._deleting:
+            # the removals that queued these deletes must be on disk first: a crash must not
+            # bring back a block whose chunks are gone
+            await self.state.durable()
             deleted = 0
             live = self.state.live_servers()
             for sid in list(self.state.undeleted):
@@ -188,7 +194,7 @@ class Lifecycle:
         (with `orphans`) find orphans on every live server, delete garbage."""
         async with self._lock:
             self.state.refresh_liveness()
-            await self.drain(self.state.flush_slice, 4 * SLICE)
+            await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
             n_expired = 0
             while not self.state.deletes_backed_up():
                 async with self.turn():
@@ -230,7 +236,7 @@ class Lifecycle:
         while True:
             await asyncio.sleep(FLUSH_EVERY)
             try:
-                await self.drain(self.state.flush_slice, 4 * SLICE)
+                await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
                 evicted = 0

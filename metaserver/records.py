@@ -43,7 +43,7 @@ BLOCK, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"c", b"x", b"v", b"r", b"u
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 
-FORMAT = 2  # of this layout; a database of another format is refused at start
+FORMAT = 3  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -119,6 +119,7 @@ def _varint(n: int) -> bytes:
 # version, flags, ttl, depth, hits, created, last_used, rank, footprint, payload bytes, parent
 _HEAD = struct.Struct("<BBIIIdddQQ16s")
 _TTL, _LAST_USED = struct.Struct("<I"), struct.Struct("<d")  # at offsets 2 and 22 of the header
+_COUNT = struct.Struct("<H")  # servers in a row, after the header
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
 
@@ -145,15 +146,15 @@ class Row:
         head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, self.ttl, self.depth, self.hits, self.created,
                           self.last_used, self.rank, self.footprint, self.nbytes, self.parent or bytes(KEY_BYTES))
         name = self.ttl_class.encode()
-        return b"".join((head, bytes([len(self.servers)]), struct.pack(f"<{len(self.servers)}H", *self.servers),
+        return b"".join((head, _COUNT.pack(len(self.servers)), struct.pack(f"<{len(self.servers)}H", *self.servers),
                          bytes([len(name)]), name, self.location))
 
     @classmethod
     def decode(cls, raw: bytes) -> Row:
         _, flags, ttl, depth, hits, created, last_used, rank, footprint, nbytes, parent = _HEAD.unpack_from(raw)
-        n = raw[_HEAD.size]
-        servers = struct.unpack_from(f"<{n}H", raw, _HEAD.size + 1)
-        at = _HEAD.size + 1 + 2 * n
+        n = _COUNT.unpack_from(raw, _HEAD.size)[0]
+        servers = struct.unpack_from(f"<{n}H", raw, _HEAD.size + 2)
+        at = _HEAD.size + 2 + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
                    parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :])
@@ -162,9 +163,9 @@ class Row:
     def head(raw: bytes) -> tuple[int, float, tuple[int, ...], int]:
         """(ttl, last_used, server numbers, offset of the framed location): what a lookup reads."""
         ttl, last_used = _TTL.unpack_from(raw, 2)[0], _LAST_USED.unpack_from(raw, 22)[0]
-        n = raw[_HEAD.size]
-        at = _HEAD.size + 1 + 2 * n
-        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, _HEAD.size + 1), at + 1 + raw[at]
+        n = _COUNT.unpack_from(raw, _HEAD.size)[0]
+        at = _HEAD.size + 2 + 2 * n
+        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, _HEAD.size + 2), at + 1 + raw[at]
 
     def block_location(self) -> meta_pb2.BlockLocation:
         return meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]

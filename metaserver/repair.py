@@ -94,7 +94,7 @@ class Repairer:
                 await self._copy_all(repairs)  # paced RPCs: other passes take their turns meanwhile
             if self.state.to_reconcile():
                 break  # reconcile it first (it may hold copies), then look again
-        self.lifecycle.queue_deletes(self.state.drop_lost_blocks(self._lost_for_good(lost, now)))
+        await self._drop_lost(self._lost_for_good(lost, now))
         if wanting:
             log.info("repair: %d chunks were short of copies this round; %d copied so far", wanting,
                      self.copied_chunks)
@@ -114,6 +114,20 @@ class Repairer:
                 repairs.sort(key=lambda r: len(r.holders))
                 yield repairs, lost
                 after = fulls[-1]
+
+    async def _drop_lost(self, candidates: list[bytes]) -> None:
+        """Drops the blocks still without a live copy of some chunk, a slice at a time,
+        each slice checked again just before it goes (copies may have come back while
+        the round copied); nothing is dropped while a returning server awaits
+        reconciliation (it may hold the copies)."""
+        for i in range(0, len(candidates), SLICE):
+            async with self.lifecycle.turn():
+                if self.state.to_reconcile():
+                    return
+                _, still_lost, _ = self.state.blocks.check_replicas(candidates[i : i + SLICE])
+                self.lifecycle.queue_deletes(self.state.drop_lost_blocks(still_lost))
+                for k in still_lost:
+                    self._lost_since.pop(k, None)
 
     def _lost_for_good(self, lost: list[bytes], now: float) -> list[bytes]:
         """Of the blocks with a chunk no live server holds, those that have been so for

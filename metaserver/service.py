@@ -63,6 +63,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             dropped = self.state.chunks_lost(request.server_id,
                                              [(c.chunk_id, parse_owner(c.owner)) for c in request.lost_chunks])
             self.lifecycle.queue_deletes(dropped)
+            await self.state.durable()  # the server forgets its reports once acknowledged
         return meta_pb2.HeartbeatReply(register_again=not known)
 
     async def _free_evicted(self, evicted_before: int) -> None:

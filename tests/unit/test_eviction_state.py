@@ -233,3 +233,21 @@ def test_a_parent_that_is_not_a_key_is_refused(make_state):
     state = make_state(Clock())
     with pytest.raises(InvalidArgument, match="parent must be a 16-byte block key"):
         state.allocate(NS.digest, conversation(0)[1:], LAYOUT_MSG, b"short")
+
+
+def test_a_block_committed_again_while_its_children_wait_to_be_dropped_is_no_leaf(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    a, b = conversation(0)[:2]
+    write(state, [a], ttl_class="short")
+    write(state, [a, b], 1)  # b under a, longer-lived
+    clock.now += 11
+    state.blocks.expire()  # a expires; b waits in the stranded queue
+    assert len(state.blocks.stranded) == 1
+    write(state, [a, b])  # the prompt is written again before the queue drains: a new, b present
+    state.drain_stranded()  # a is back: b is reachable and stays
+    assert state.match(NS.digest, [a, b]).matched == 2
+    assert_consistent(state)  # a has a child, so it is not an eviction candidate
+    state.flush_last_used()
+    evicted, _ = state.blocks.evict(1 << 40, {NS.digest + b}, 10)  # b pinned: nothing else may go
+    assert evicted == 0 and state.match(NS.digest, [a, b]).matched == 2
