@@ -265,7 +265,19 @@ class BlockTable:
         never makes such blocks; a rebuild can find them)."""
         replaced = replaced or {}
         garbage = []
+        fresh = dict(new)
+        parents_of_new = {f[:KEY_BYTES] + r.parent for f, r in new if r.parent}
+        gone_children: set[bytes] = set()  # child entries this batch deletes
         for full, old in replaced.items():
+            if old.parent and old.parent != fresh[full].parent:  # written again under another parent
+                old_parent = full[:KEY_BYTES] + old.parent
+                gone_children.add(child_key(old_parent, full))
+                batch.delete(child_key(old_parent, full))
+                if old_parent not in fresh and old_parent not in parents_of_new and \
+                        not self.db.has_prefix(CHILD + old_parent, gone_children):
+                    prow = self.row(old_parent)  # left without children: a leaf again
+                    if prow is not None:
+                        batch.put(victim_key(prow.rank, prow.last_used, prow.depth, old_parent), b"")
             batch.delete(expiry_key(old.last_used + old.ttl, full))
             batch.delete(victim_key(old.rank, old.last_used, old.depth, full))
             batch.delete(SHORT + full)
@@ -275,8 +287,6 @@ class BlockTable:
             self.blocks -= 1
             self.payload_bytes -= old.nbytes
             self.cache_bytes -= old.footprint
-        fresh = dict(new)
-        parents_of_new = {f[:KEY_BYTES] + r.parent for f, r in new if r.parent}
         # committed parents: a leaf until now leaves the eviction index; depth from its row
         known = [p for p in parents_of_new if p not in fresh]
         depth: dict[bytes, int] = {}
@@ -304,7 +314,7 @@ class BlockTable:
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
             # a leaf, unless children of an earlier life of this block are still stored
-            if full not in parents_of_new and not self.db.has_prefix(CHILD + full):
+            if full not in parents_of_new and not self.db.has_prefix(CHILD + full, gone_children):
                 batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
             for n in row.servers:
                 batch.put(replica_key(n, full), b"")

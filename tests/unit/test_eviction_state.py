@@ -251,3 +251,23 @@ def test_a_block_committed_again_while_its_children_wait_to_be_dropped_is_no_lea
     state.flush_last_used()
     evicted, _ = state.blocks.evict(1 << 40, {NS.digest + b}, 10)  # b pinned: nothing else may go
     assert evicted == 0 and state.match(NS.digest, [a, b]).matched == 2
+
+
+def test_a_block_written_again_under_another_parent_leaves_its_old_parent(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    p1, p2 = block_keys(NS, [1] * 4, 4)[0], block_keys(NS, [2] * 4, 4)[0]
+    child = block_keys(NS, [3] * 4, 4)[0]  # any key will do: the metaserver trusts the parent it is sent
+    write(state, [p1])
+    write(state, [p2])
+    alloc = state.allocate(NS.digest, [child], LAYOUT_MSG, p1)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class="short")
+    req.blocks.add(key=child, chunk_checksums=[7])
+    state.commit(NS.digest, req)
+    clock.now += 11  # the child expires (short), its parents live on
+    alloc = state.allocate(NS.digest, [child], LAYOUT_MSG, p2)  # written again, under p2 this time
+    assert not alloc.blocks[0].already_present
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    req.blocks.add(key=child, chunk_checksums=[7])
+    assert state.commit(NS.digest, req)[0] == 1
+    assert_consistent(state)  # one child entry, under p2; p1 a leaf again
