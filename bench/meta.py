@@ -41,6 +41,7 @@ import grpc
 from kvfs.cli.launcher import LaunchError, ServerProcess, start_metaserver
 from kvfs.config import MiB
 from kvfs.layout import BlockLayout
+from kvfs.metaserver.blocks import footprint
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 
@@ -73,8 +74,8 @@ def parse_count(text: str) -> int:
 
 
 def block_footprint() -> int:
-    """What one block takes of chunkserver capacity: each chunk in a power-of-two slot."""
-    return sum(max(64 << 10, 1 << (s.length - 1).bit_length()) for s in LAYOUT.chunks(CHUNK_SIZE))
+    """What one block takes of chunkserver capacity, as the metaserver counts it."""
+    return footprint(LAYOUT.chunks(CHUNK_SIZE))
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,8 +95,7 @@ class Ranks:
     def evicted(self, batch: WriteBatch, full: bytes, row: Row, table: BlockTable) -> None:
         if self.policy != "lfuda":
             return
-        self.aging = max(self.aging, row.rank)
-        batch.put(COUNTER + b"aging", struct.pack(">d", self.aging))
+        self.aging = max(self.aging, row.rank)  # persisted with the batch's counters
         table.ghost_seq += 1
         batch.put(GHOST + full, struct.pack(">IQ", row.hits, table.ghost_seq))
         batch.put(GHOST_ORDER + u64(table.ghost_seq) + full, b"")
@@ -147,12 +146,18 @@ class BlockTable:
                             (b"footprint", self.cache_bytes), (b"peak", self.peak_blocks),
                             (b"ghost_seq", self.ghost_seq), (b"ghosts", self.ghosts)):
             batch.put(COUNTER + name, u64(value))
+        batch.put(COUNTER + b"aging", struct.pack(">d", self.ranks.aging))
 
     def ttl_of(self, ttl_class: str) -> float:
         return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
 
     def rows(self, fulls: list[bytes]) -> list[bytes | None]:
         return self.db.db.get([BLOCK + f for f in fulls]) if fulls else []
+
+    def last_use(self, full: bytes, stored: float) -> float:
+        """A block's last use: the one its row holds, or a hit recorded since (not flushed yet)."""
+        pending = self.hits.get(full)
+        return pending[1] if pending is not None and pending[1] > stored else stored
 
     def live_rows(self, fulls: list[bytes], stored: list[bytes | None] | None = None) -> list[bytes | None]:
         """rows(), with None also for blocks past their TTL that expiry has not removed yet."""
@@ -161,8 +166,7 @@ class BlockTable:
         for full, raw in zip(fulls, self.rows(fulls) if stored is None else stored):
             if raw is not None:
                 ttl, last_used, _, _ = Row.head(raw)
-                pending = self.hits.get(full)
-                if now > max(last_used, pending[1] if pending else 0.0) + ttl:
+                if now > self.last_use(full, last_used) + ttl:
                     raw = None
             out.append(raw)
         return out
@@ -198,10 +202,7 @@ class BlockTable:
                     return self._reply(parts, referenced)
                 ttl, last_used, servers, at = Row.head(raw)
                 full = namespace_digest + key
-                pending = hits.get(full)
-                if pending is not None and pending[1] > last_used:
-                    last_used = pending[1]
-                if now > last_used + ttl:
+                if now > self.last_use(full, last_used) + ttl:
                     return self._reply(parts, referenced)
                 if live.issuperset(servers):
                     parts.append(raw[at:])
@@ -213,6 +214,7 @@ class BlockTable:
                     parts.append(framed)
                     referenced.update(live.intersection(servers))
                 if recording:
+                    pending = hits.get(full)
                     hits[full] = (pending[0] + 1 if pending else 1, now)
             start += size
             size *= 4

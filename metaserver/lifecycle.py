@@ -66,12 +66,13 @@ class Lifecycle:
                 time.sleep(SLICE_STALL)
             await asyncio.sleep(time.perf_counter() - t0)
 
-    async def drain(self, step, *args, most: int | None = None) -> int:
+    async def drain(self, step, *args, most: int | None = None, room: bool = False) -> int:
         """Runs `step(*args)` (returning work done) a turn at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
-        hits, must not keep a pass from the rest of its round)."""
+        hits, must not keep a pass from the rest of its round), or, with `room`, until
+        the delete queue is full (removals wait for the delete pass)."""
         total = 0
-        while most is None or total < most:
+        while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
             async with self.turn():
                 n = step(*args)
             if not n:
@@ -195,32 +196,20 @@ class Lifecycle:
         async with self._lock:
             self.state.refresh_liveness()
             await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
-            n_expired = 0
-            while not self.state.deletes_backed_up():
-                async with self.turn():
-                    removed, chunks = self.state.expire_slice(SLICE)
-                    self.queue_deletes(chunks)
-                n_expired += len({c.chunk_id for c in chunks})
-                if not removed:
-                    break
+            n_expired = await self.drain(self.state.expire_slice, SLICE, room=True)
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            while not self.state.deletes_backed_up() and await self._evict_turn():
-                pass
+            await self.drain(self.state.evict_slice, SLICE, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
             deleted = await self._delete_queued()
             if n_expired or n_allocs or deleted:
-                log.info("lifecycle: %d chunks of expired blocks, %d expired allocations, %d chunks deleted",
+                log.info("lifecycle: %d expired blocks and descendants, %d expired allocations, %d chunks deleted",
                          n_expired, n_allocs, deleted)
             return meta_pb2.RunLifecycleReply(expired_blocks=self.state.expired_blocks,
                                               expired_allocations=n_allocs, deleted_chunks=deleted)
-
-    async def _evict_turn(self) -> int:
-        async with self.turn():
-            return self.state.evict_slice(SLICE)
 
     async def run_forever(self) -> None:
         while True:
@@ -239,10 +228,7 @@ class Lifecycle:
                 await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = 0
-                while not self.state.deletes_backed_up() and (n := await self._evict_turn()):
-                    evicted += n
-                if evicted:
+                if await self.drain(self.state.evict_slice, SLICE, room=True):
                     await self._delete_queued()
             except Exception:
                 log.exception("flush round failed")

@@ -146,8 +146,8 @@ class Membership:
             self._rebuild_chains()
 
     def _rebuild_chains(self) -> None:
-        self.live_numbers = self._live_now()
         live = self.live_servers()
+        self.live_numbers = frozenset(s.number for s in live.values())
         chains = build_chains([Member(s.record.id, s.record.failure_domain) for s in live.values()],
                               self.cfg.replicas)
         if chains != self.chains:

@@ -81,7 +81,7 @@ class Repairer:
             return
         self.state.refresh_liveness()
         lost, wanting = [], 0
-        work = self._slices()
+        work = self.state.replica_slices(SLICE)
         while True:
             async with self.lifecycle.turn():
                 found = next(work, None)
@@ -99,21 +99,6 @@ class Repairer:
             log.info("repair: %d chunks were short of copies this round; %d copied so far", wanting,
                      self.copied_chunks)
         self.under_replicated = wanting
-
-    def _slices(self):
-        """(repairs, lost blocks) a slice at a time: blocks on servers not live, then
-        blocks known short of copies."""
-        blocks = self.state.blocks
-        sources = [(lambda after, n=n: blocks.blocks_on(n, after, SLICE)) for n in self.state.members.dead_numbers()]
-        sources.append(lambda after: blocks.short_blocks(SLICE, after))
-        for source in sources:
-            after = b""
-            while fulls := source(after):
-                repairs, lost, whole = blocks.check_replicas(fulls)
-                blocks.replicated(whole)
-                repairs.sort(key=lambda r: len(r.holders))
-                yield repairs, lost
-                after = fulls[-1]
 
     async def _drop_lost(self, candidates: list[bytes]) -> None:
         """Drops the blocks still without a live copy of some chunk, a slice at a time,

@@ -58,8 +58,7 @@ class MetaState:
                  len(self.members.servers), len(self.allocations.open))
 
     def close(self) -> None:
-        while self.blocks.flush_hits():
-            pass
+        self.flush_last_used()
         self.db.close()
 
     async def durable(self) -> None:
@@ -211,13 +210,13 @@ class MetaState:
             total += n
         return total
 
-    def expire_slice(self, limit: int = 1024) -> tuple[int, list]:
-        """Up to `limit` blocks past their TTL, and descendants of removed blocks:
-        (blocks removed, their chunks, for deletion)."""
+    def expire_slice(self, limit: int = 64) -> int:
+        """Removes up to `limit` blocks past their TTL, and as many descendants of removed
+        blocks; their chunks go to the delete queue. Returns blocks removed."""
         before = self.blocks.expired + self.blocks.stranded_dropped
-        chunks = self.blocks.expire(limit)
-        chunks += self.blocks.drop_stranded(limit)
-        return self.blocks.expired + self.blocks.stranded_dropped - before, chunks
+        self.queue_deletes(self.blocks.expire(limit))
+        self.queue_deletes(self.blocks.drop_stranded(limit))
+        return self.blocks.expired + self.blocks.stranded_dropped - before
 
     def expire_blocks(self) -> list[meta_pb2.StoredChunk]:
         """Removes every block past its TTL; returns their chunks for deletion (their
@@ -296,18 +295,31 @@ class MetaState:
         log.warning("%d blocks lost every copy of a chunk; dropped from metadata", len(full_keys))
         return chunks
 
-    def under_replicated(self, limit: int = 1 << 30) -> tuple[list[Repair], list[bytes]]:
-        """Chunks of blocks on servers that are not live, or known short of copies
-        (fewest live copies first), and the blocks with a chunk no live server
-        holds: at most `limit` blocks looked at. Healthy blocks leave the queue."""
-        fulls: list[bytes] = []
-        for n in self.members.dead_numbers():
-            fulls += self.blocks.blocks_on(n, limit=limit - len(fulls))
-        fulls += self.blocks.short_blocks(limit=max(0, limit - len(fulls)))
-        repairs, lost, whole = self.blocks.check_replicas(list(dict.fromkeys(fulls)))
-        self.blocks.replicated(whole)
-        repairs.sort(key=lambda r: len(r.holders))
-        return repairs, lost
+    def replica_slices(self, limit: int = 64):
+        """Yields (repairs, lost blocks) a slice of up to `limit` blocks at a time: the
+        blocks listed on servers that are not live, then those known short of copies.
+        Repairs are chunks with fewer live copies than wanted (fewest first); lost
+        blocks have a chunk no live server holds; healthy blocks leave the queue."""
+        blocks = self.blocks
+        sources = [(lambda after, n=n: blocks.blocks_on(n, after, limit)) for n in self.members.dead_numbers()]
+        sources.append(lambda after: blocks.short_blocks(limit, after))
+        for source in sources:
+            after = b""
+            while fulls := source(after):
+                repairs, lost, whole = blocks.check_replicas(fulls)
+                blocks.replicated(whole)
+                repairs.sort(key=lambda r: len(r.holders))
+                yield repairs, lost
+                after = fulls[-1]
+
+    def under_replicated(self) -> tuple[list[Repair], list[bytes]]:
+        """Every slice of `replica_slices` at once (a block on two dead servers counted once)."""
+        repairs: dict[tuple[bytes, int], Repair] = {}
+        lost: dict[bytes, None] = {}
+        for found, lost_here in self.replica_slices():
+            repairs.update(((r.full_key, r.index), r) for r in found)
+            lost.update(dict.fromkeys(lost_here))
+        return sorted(repairs.values(), key=lambda r: len(r.holders)), list(lost)
 
     def replica_target(self, holders: list[str], nbytes: int) -> str | None:
         """A live server for one more copy: not a holder, in a failure domain no holder
