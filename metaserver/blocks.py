@@ -202,7 +202,10 @@ class BlockTable:
                     return self._reply(parts, referenced)
                 ttl, last_used, servers, at = Row.head(raw)
                 full = namespace_digest + key
-                if now > self.last_use(full, last_used) + ttl:
+                pending = hits.get(full)  # last_use(), inlined: this loop runs per block of every lookup
+                if pending is not None and pending[1] > last_used:
+                    last_used = pending[1]
+                if now > last_used + ttl:
                     return self._reply(parts, referenced)
                 if live.issuperset(servers):
                     parts.append(raw[at:])
@@ -214,7 +217,6 @@ class BlockTable:
                     parts.append(framed)
                     referenced.update(live.intersection(servers))
                 if recording:
-                    pending = hits.get(full)
                     hits[full] = (pending[0] + 1 if pending else 1, now)
             start += size
             size *= 4
