@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 from rocksdict import WriteBatch
@@ -27,6 +27,7 @@ from .records import ALLOC, Row
 log = logging.getLogger(__name__)
 
 COMMIT_PIECE = 64  # blocks whose rows a commit builds between two turns of the event loop
+ALLOCATE_PIECE = 64  # blocks an allocation places between two turns
 
 
 @dataclass(slots=True)
@@ -72,10 +73,14 @@ class Allocations:
     def chunk_ids(self) -> set[bytes]:
         return set().union(*(a.chunk_ids for a in self.open.values()))
 
-    def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg, parent: bytes,
-                 make_room: Callable[[int, set[bytes]], object]) -> meta_pb2.AllocateBlocksReply:
+    def allocate_steps(self, namespace_digest: bytes, keys: list[bytes], layout_msg, parent: bytes,
+                       make_room: Callable[[int, set[bytes]], Generator]):
         """Places the chunks of the keys not committed yet. `parent` is the key before
-        keys[0] (empty: keys[0] is a prompt's first block)."""
+        keys[0] (empty: keys[0] is a prompt's first block). A generator that yields
+        between pieces of ALLOCATE_PIECE blocks (and between eviction slices), so
+        a server serves other calls meanwhile; returns the AllocateBlocksReply. Each
+        piece places against the servers' free space as it is then, this and other
+        allocations' chunks placed so far included."""
         keys = check_keys(keys, "AllocateBlocks", self.cfg.max_keys)
         if parent and len(parent) != KEY_BYTES:
             raise InvalidArgument(f"parent must be a {KEY_BYTES}-byte block key; got {len(parent)} bytes")
@@ -85,17 +90,22 @@ class Allocations:
         # an expired block not removed yet is written again (commit replaces it)
         present = self.blocks.live_rows([namespace_digest + k for k in keys])
         new = sum(p is None for p in present)
+        yield
         # room first: placement then counts the evicted chunks' space as free
-        make_room(new * footprint(spans), {namespace_digest + k for k in (parent, *keys) if k})
-        live = self.members.live_servers()
-        placer = Placer(self.members.chains, {sid: self.members.free_bytes(s) for sid, s in live.items()})
+        yield from make_room(new * footprint(spans), {namespace_digest + k for k in (parent, *keys) if k})
+        placer = None
         alloc_id = os.urandom(16)
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
                                              chunk_size=self.cfg.chunk_size)
         record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
                                            expires_at=self.clock() + self.cfg.allocation_timeout)
         prev = parent
-        for key, existing in zip(keys, present):
+        for i, (key, existing) in enumerate(zip(keys, present)):
+            if i % ALLOCATE_PIECE == 0:
+                if i:
+                    yield
+                live = self.members.live_servers()
+                placer = Placer(self.members.chains, {sid: self.members.free_bytes(s) for sid, s in live.items()})
             block = reply.blocks.add(key=key)
             block_parent, prev = prev, key
             if existing is not None:
@@ -115,24 +125,15 @@ class Allocations:
             self.open[alloc_id] = Allocation.of(record)
         return reply
 
-    def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
-               make_room: Callable[[int, set[bytes]], object]) -> tuple[int, int, list]:
-        """Commits blocks of an allocation; returns (committed, already present,
-        chunks that became garbage: those of blocks someone else committed first,
-        and of blocks whose parent expired meanwhile, which nothing could reach)."""
-        steps = self.commit_steps(namespace_digest, req, make_room)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-
     def commit_steps(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
-                     make_room: Callable[[int, set[bytes]], object]):
-        """commit() as a generator that yields between pieces of COMMIT_PIECE blocks, so
-        a server can serve other calls while a large commit builds its rows. What the
-        commit decides (first writer wins, parents present, room) is decided after the
-        last piece, in one step with the write, so interleaving cannot change it."""
+                     make_room: Callable[[int, set[bytes]], Generator]):
+        """Commits blocks of an allocation; returns (committed, already present, chunks
+        that became garbage: those of blocks someone else committed first, and of
+        blocks whose parent expired meanwhile, which nothing could reach). A
+        generator that yields between pieces of COMMIT_PIECE blocks, so a server can
+        serve other calls while a large commit builds its rows. What the commit
+        decides (first writer wins, parents present) is decided after the last
+        piece, in one step with the write, so interleaving cannot change it."""
         alloc = self.open.get(req.allocation_id)
         if alloc is None:
             raise NotFound("allocation not found: it expired or was committed already; allocate again")
@@ -169,9 +170,14 @@ class Allocations:
                       for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
             rows[full] = self.blocks.new_row(full, alloc.record.layout, stored, parents[block.key], ttl_class, now)
         yield
+        # this allocation still counts as incoming; room was made for it when it was placed,
+        # so this evicts only if capacity shrank or other writers got in first (nor may it
+        # take the blocks this commit writes or replaces, or their parents)
+        fulls = [namespace_digest + b.key for b in blocks]
+        yield from make_room(0, {namespace_digest + p for p in parents.values() if p} | set(fulls))
+        # from here to the write, one step: what is decided is what is written
         if self.open.get(req.allocation_id) is not alloc:
             raise NotFound("allocation not found: it expired or was committed meanwhile; allocate again")
-        fulls = [namespace_digest + b.key for b in blocks]
         stored = self.blocks.rows(fulls)
         present = self.blocks.live_rows(fulls, stored)
         replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present) if raw is not None and live is None}
@@ -194,10 +200,6 @@ class Allocations:
             committed += 1
         for leftover in chunks_by_key.values():  # allocated but not committed: abandoned
             garbage += leftover
-        # this allocation still counts as incoming; room was made for it when it was placed,
-        # so this evicts only if capacity shrank or other writers got in first
-        # (nor may it take the blocks this commit writes or replaces)
-        make_room(0, {f[:KEY_BYTES] + r.parent for f, r in new.items() if r.parent} | set(fulls))
         batch = WriteBatch(raw_mode=True)
         garbage += self.blocks.add(batch, list(new.items()), {f: r for f, r in replaced.items() if f in new})
         batch.delete(ALLOC + req.allocation_id)

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rocksdict import WriteBatch
+from rocksdict import ReadOptions, WriteBatch
 
 from kvfs.errors import InvalidArgument
 from kvfs.keys import KEY_BYTES
@@ -34,13 +34,14 @@ from kvfs.proto import meta_pb2
 from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership
-from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, SHORT, VICTIM, Row, child_key,
-                      expiry_key, frame, reframe_live, replica_key, replica_prefix, reply_tail, u64, victim_key)
+from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT, VICTIM,
+                      Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
+                      reply_tail, row_key, row_keys, u64, victim_key)
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_HITS = 500_000  # blocks hit since the last flush; past it, more hits are not recorded
-FIRST_BATCH = 32  # a lookup reads keys in batches growing 4x from this, stopping at the first miss
+SLOT_SPAN = 1 << 16  # slots between two prompts' first blocks: room for a prompt to grow in place
 GHOST_TRIM = 256  # ghosts one commit may forget
 
 
@@ -118,6 +119,45 @@ class Staged:
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
 
 
+class Slots:
+    """Gives the blocks of one commit their slots (records.py): the slot after the
+    parent's when no row holds it, else the start of a fresh run. Blocks come
+    parents first, so a prompt written in one or many commits fills consecutive
+    slots until it branches from a prompt that took them first."""
+
+    def __init__(self, table: BlockTable):
+        self.table = table
+        self.of: dict[bytes, int] = {}  # full key -> slot: the commit's parents and the blocks placed so far
+        self.claimed: set[tuple[bytes, int]] = set()
+        self.free: dict[bytes, tuple[int, int]] = {}  # namespace -> a range of slots known to hold no row
+
+    def place(self, full: bytes, parent: bytes | None) -> int:
+        ns = full[:KEY_BYTES]
+        after = self.of.get(parent) if parent is not None else None
+        if after is not None and self._free(ns, after + 1):
+            slot = after + 1
+        else:
+            table = self.table
+            while not self._free(ns, table.next_slot):  # a long prompt grew into this run
+                table.next_slot += SLOT_SPAN
+            slot = table.next_slot
+            table.next_slot += SLOT_SPAN
+        self.claimed.add((ns, slot))
+        return slot
+
+    def _free(self, ns: bytes, slot: int) -> bool:
+        if (ns, slot) in self.claimed:
+            return False
+        lo, hi = self.free.get(ns, (0, 0))
+        if not lo <= slot < hi:
+            first, _ = row_keys(ns, slot)
+            taken = [k for k, _ in self.table.db.scan(ROW + ns, start=first, limit=1)]
+            hi = read_u64(taken[0][-8:]) if taken else 1 << 64
+            self.free[ns] = (slot, hi)
+            lo = slot
+        return lo <= slot < hi
+
+
 class BlockTable:
     def __init__(self, cfg: MetaserverConfig, db: MetaDB, members: Membership, clock: Callable[[], float]):
         self.cfg = cfg
@@ -132,6 +172,7 @@ class BlockTable:
         self.peak_blocks = db.counter(b"peak")
         self.ghost_seq = db.counter(b"ghost_seq")
         self.ghosts = db.counter(b"ghosts")
+        self.next_slot = db.counter(b"next_slot")  # where the next run of slots starts
         self.hits: dict[bytes, tuple[int, float]] = {}  # full key -> (hits, last) since the last flush
         self._hits_dropped = 0
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
@@ -144,7 +185,8 @@ class BlockTable:
         self.peak_blocks = max(self.peak_blocks, self.blocks)
         for name, value in ((b"blocks", self.blocks), (b"payload", self.payload_bytes),
                             (b"footprint", self.cache_bytes), (b"peak", self.peak_blocks),
-                            (b"ghost_seq", self.ghost_seq), (b"ghosts", self.ghosts)):
+                            (b"ghost_seq", self.ghost_seq), (b"ghosts", self.ghosts),
+                            (b"next_slot", self.next_slot)):
             batch.put(COUNTER + name, u64(value))
         batch.put(COUNTER + b"aging", struct.pack(">d", self.ranks.aging))
 
@@ -152,7 +194,13 @@ class BlockTable:
         return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
 
     def rows(self, fulls: list[bytes]) -> list[bytes | None]:
-        return self.db.db.get([BLOCK + f for f in fulls]) if fulls else []
+        """These blocks' rows as stored (None for a block not committed)."""
+        if not fulls:
+            return []
+        slots = self.db.db.get([BLOCK + f for f in fulls])
+        at = [row_key(f[:KEY_BYTES], read_u64(s)) for f, s in zip(fulls, slots) if s is not None]
+        found = iter(self.db.db.get(at) if at else [])
+        return [next(found) if s is not None else None for s in slots]
 
     def last_use(self, full: bytes, stored: float) -> float:
         """A block's last use: the one its row holds, or a hit recorded since (not flushed yet)."""
@@ -172,8 +220,13 @@ class BlockTable:
         return out
 
     def row(self, full: bytes) -> Row | None:
-        raw = self.db.get(BLOCK + full)
+        slot = self.db.get(BLOCK + full)
+        raw = self.db.get(row_key(full[:KEY_BYTES], read_u64(slot))) if slot is not None else None
         return Row.decode(raw) if raw is not None else None
+
+    @staticmethod
+    def put_row(batch: WriteBatch, full: bytes, row: Row) -> None:
+        batch.put(row_key(full[:KEY_BYTES], row.slot), row.encode())
 
     def stored_chunks(self, row: Row) -> list[meta_pb2.StoredChunk]:
         return [meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
@@ -184,42 +237,69 @@ class BlockTable:
 
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
-        readable blocks from keys[0]: rows are read in batches growing 4x, so a miss
-        early in a long prompt reads little; each block's stored location goes into
-        the reply as it is unless one of its servers is down."""
+        readable blocks from keys[0]. Rows are read in slot order from the first
+        block's slot: while a prompt's blocks lie in consecutive slots this is one
+        range read; where the next row is not the next key's (a branch), one point
+        read finds where that block is. Each block's stored location goes into the
+        reply as it is unless one of its servers is down."""
         now = self.clock()
         self.members.refresh_liveness()
         live = self.members.live_numbers
         parts: list[bytes] = []
         referenced: set[int] = set()
+        if not keys:
+            return self._reply(parts, referenced)
+        db = self.db.db
+        slot = db.get(BLOCK + namespace_digest + keys[0])
+        if slot is None:
+            return self._reply(parts, referenced)
+        first, bound = row_keys(namespace_digest, read_u64(slot))
+        opts = ReadOptions()
+        opts.set_iterate_upper_bound(bound)  # this namespace's rows only
+        rows = db.iter(opts)
+        rows.seek(first)
         hits = self.hits
         recording = len(hits) < MAX_PENDING_HITS
-        start, size = 0, FIRST_BATCH
-        while start < len(keys):
-            part = keys[start : start + size]
-            for key, raw in zip(part, self.db.db.get([BLOCK + namespace_digest + k for k in part])):
-                if raw is None:
-                    return self._reply(parts, referenced)
-                ttl, last_used, servers, at = Row.head(raw)
-                full = namespace_digest + key
-                pending = hits.get(full)  # last_use(), inlined: this loop runs per block of every lookup
-                if pending is not None and pending[1] > last_used:
-                    last_used = pending[1]
-                if now > last_used + ttl:
-                    return self._reply(parts, referenced)
+        all_live: set[bytes] = set()  # rows' server numbers (as stored) seen with every server live
+        unpack = LOOKUP.unpack_from
+        for key in keys:
+            raw = rows.value() if rows.valid() else None
+            if raw is None or raw[:KEY_BYTES] != key:  # not in the next slot: look up where it is
+                slot = db.get(BLOCK + namespace_digest + key)
+                if slot is None:
+                    break
+                rows.seek(row_key(namespace_digest, read_u64(slot)))
+                raw = rows.value() if rows.valid() else None
+                if raw is None or raw[:KEY_BYTES] != key:
+                    log.error("block %s points at slot %d, which holds no row of it", key.hex(), read_u64(slot))
+                    break
+            n, ttl, last_used = unpack(raw, KEY_BYTES)
+            full = namespace_digest + key
+            pending = hits.get(full)  # last_use(), inlined: this loop runs per block of every lookup
+            if pending is not None and pending[1] > last_used:
+                last_used = pending[1]
+            if now > last_used + ttl:
+                break
+            end = SERVERS + 2 * n  # the server numbers, then the ttl class name, then the location
+            numbers = raw[SERVERS:end]
+            if numbers in all_live:
+                parts.append(raw[end + 1 + raw[end] :])
+            else:
+                servers = struct.unpack(f"<{n}H", numbers)
                 if live.issuperset(servers):
-                    parts.append(raw[at:])
+                    all_live.add(numbers)
                     referenced.update(servers)
+                    parts.append(raw[end + 1 + raw[end] :])
                 else:
-                    framed = reframe_live(raw, at, live)
+                    framed = reframe_live(raw, end + 1 + raw[end], live)
                     if framed is None:  # a chunk no live server holds
-                        return self._reply(parts, referenced)
+                        break
                     parts.append(framed)
                     referenced.update(live.intersection(servers))
-                if recording:
-                    hits[full] = (pending[0] + 1 if pending else 1, now)
-            start += size
-            size *= 4
+            if recording:
+                hits[full] = (pending[0] + 1 if pending else 1, now)
+            rows.next()
+        del rows
         if not recording:
             self._hits_dropped += 1
             if self._hits_dropped in (1, 1000, 1000_000):
@@ -253,7 +333,7 @@ class BlockTable:
             if leaf is not None:
                 batch.delete(old_victim)
                 batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
-            batch.put(BLOCK + full, row.encode())
+            self.put_row(batch, full, row)
         self.db.write(batch)
         return len(taken)
 
@@ -294,11 +374,13 @@ class BlockTable:
         # committed parents: a leaf until now leaves the eviction index; depth from its row
         known = [p for p in parents_of_new if p not in fresh]
         depth: dict[bytes, int] = {}
+        slots = Slots(self)
         for parent, raw in zip(known, self.rows(known)):
             if raw is None:
                 continue
             prow = Row.decode(raw)
             depth[parent] = prow.depth
+            slots.of[parent] = prow.slot
             if not self.db.has_prefix(CHILD + parent):
                 batch.delete(victim_key(prow.rank, prow.last_used, prow.depth, parent))
         remembered = self.ranks.remembered([f for f, _ in new])
@@ -313,7 +395,12 @@ class BlockTable:
                 consumed.add(full)
                 self.ghosts -= 1
             row.rank = self.ranks.rank(row.hits, row.last_used)
-            batch.put(BLOCK + full, row.encode())
+            old = replaced.get(full)
+            row.slot = old.slot if old is not None else slots.place(full, parent)
+            slots.of[full] = row.slot
+            if old is None:
+                batch.put(BLOCK + full, u64(row.slot))
+            self.put_row(batch, full, row)
             batch.put(expiry_key(row.last_used + row.ttl, full), b"")
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
@@ -356,6 +443,7 @@ class BlockTable:
         is left without children (a leaf now, an eviction candidate)."""
         b = staged.batch
         b.delete(BLOCK + full)
+        b.delete(row_key(full[:KEY_BYTES], row.slot))
         b.delete(expiry_key(row.last_used + row.ttl, full))
         b.delete(victim_key(row.rank, row.last_used, row.depth, full))
         b.delete(SHORT + full)
@@ -377,10 +465,9 @@ class BlockTable:
         gone.add(ck)
         if parent in staged.removed or self.db.has_prefix(CHILD + parent, gone):
             return None
-        raw = self.db.get(BLOCK + parent)
-        if raw is None:
+        prow = self.row(parent)
+        if prow is None:
             return None
-        prow = Row.decode(raw)
         vkey = victim_key(prow.rank, prow.last_used, prow.depth, parent)
         b.put(vkey, b"")
         return vkey
@@ -459,11 +546,10 @@ class BlockTable:
             full = vkey[-FULL:]
             if full in pinned or full in self.hits or full in staged.removed:
                 continue
-            raw = self.db.get(BLOCK + full)
-            if raw is None:
+            row = self.row(full)
+            if row is None:
                 staged.batch.delete(vkey)  # a stale entry
                 continue
-            row = Row.decode(raw)
             leaf = self.remove(staged, full, row, stranding=False)
             if leaf is not None:
                 heapq.heappush(heap, leaf)
@@ -549,7 +635,7 @@ class BlockTable:
             batch.put(replica_key(n, full), b"")
         if any(len(c.replicas) < self.cfg.replicas for c in loc.chunks):
             batch.put(SHORT + full, b"")
-        batch.put(BLOCK + full, row.encode())
+        self.put_row(batch, full, row)
         if own:
             self.db.write(batch)
 
@@ -599,4 +685,4 @@ class BlockTable:
                    last_used=now, rank=0.0, footprint=sum(slot_bytes(c[2]) for c in chunks),
                    nbytes=sum(c[2] for c in chunks), parent=parent,
                    servers=tuple(sorted({s for c in chunks for s in c[4]})), ttl_class=ttl_class,
-                   location=frame(loc))
+                   location=frame(loc), key=full[KEY_BYTES:])

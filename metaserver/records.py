@@ -4,7 +4,8 @@ Nothing here is held in memory per block. A block is one row plus a few index
 entries, each a key whose order does a job, so every background pass is a
 range scan that starts where the work is:
 
-    b ns key                  -> block row (below)
+    b ns key                  -> slot   where a block's row is (8 bytes)
+    l ns slot                 -> block row (below), at its slot
     c ns parent child         -> b""   children of a block: leaves, descendants
     x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
     v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
@@ -18,11 +19,16 @@ range scan that starts where the work is:
     m name                    -> a counter (blocks, bytes, cache footprint, aging)
 
 `ns` is the 16-byte namespace digest and `key` the 16-byte block key, so `ns key`
-(FULL bytes) names a block. Numbers in keys are big-endian so byte order is
+(FULL bytes) names a block. Block keys are chained hashes, random by design, so
+rows are not stored under them: a block's row sits at a slot, a number given at
+commit, and a block takes the slot after its parent's when that one is free.
+A prompt's blocks so lie next to each other and a lookup reads them in one
+range (a branch costs one more point read), instead of a point read per block
+into random places: 2,000 consecutive rows read in about a fifth of the time. Numbers in keys are big-endian so byte order is
 numeric order; `rank` and `last` are floats mapped to sortable integers.
 
-A block row is a fixed header, the distinct server numbers its chunks are on,
-then its BlockLocation already framed as field 2 of a MatchPrefixReply (chunk
+A block row is the block key, a fixed header (what a lookup checks first), the
+distinct server numbers its chunks are on, then its BlockLocation already framed as field 2 of a MatchPrefixReply (chunk
 replicas as server numbers): a lookup checks the header and copies the rest
 into its reply without parsing a message per chunk.
 """
@@ -39,11 +45,11 @@ from kvfs.proto import meta_pb2
 
 FULL = 2 * KEY_BYTES  # namespace digest + block key
 
-BLOCK, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"c", b"x", b"v", b"r", b"u"
+BLOCK, ROW, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"l", b"c", b"x", b"v", b"r", b"u"
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 
-FORMAT = 3  # of this layout; a database of another format is refused at start
+FORMAT = 4  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -55,6 +61,16 @@ def sortable(x: float) -> bytes:
     """8 bytes whose byte order is the order of the floats (IEEE 754 with the sign flipped)."""
     (bits,) = struct.unpack(">Q", struct.pack(">d", x))
     return _U64.pack(bits ^ 0xFFFF_FFFF_FFFF_FFFF if bits >> 63 else bits | 1 << 63)
+
+
+def row_key(namespace_digest: bytes, slot: int) -> bytes:
+    return ROW + namespace_digest + _U64.pack(slot)
+
+
+def row_keys(namespace_digest: bytes, slot: int) -> tuple[bytes, bytes]:
+    """The first row key at or after `slot` in a namespace, and the bound past its last."""
+    prefix = ROW + namespace_digest
+    return prefix + _U64.pack(slot), prefix + b"\xff" * 8
 
 
 def child_key(parent_full: bytes, child_full: bytes) -> bytes:
@@ -116,10 +132,12 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-# version, flags, ttl, depth, hits, created, last_used, rank, footprint, payload bytes, parent
-_HEAD = struct.Struct("<BBIIIdddQQ16s")
-_TTL, _LAST_USED = struct.Struct("<I"), struct.Struct("<d")  # at offsets 2 and 22 of the header
-_COUNT = struct.Struct("<H")  # servers in a row, after the header
+# key; then version, flags, servers in the row, ttl, last use (what a lookup reads);
+# then depth, hits, created, rank, footprint, payload bytes, slot, parent
+_KEY = KEY_BYTES
+LOOKUP = struct.Struct("<2xHId")  # (servers in the row, ttl, last use), read at offset KEY_BYTES
+_HEAD = struct.Struct("<BBHIdIIddQQQ16s")
+SERVERS = _KEY + _HEAD.size  # where the server numbers start, 2 bytes each; then the ttl class name
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
 
@@ -141,31 +159,34 @@ class Row:
     servers: tuple[int, ...]  # distinct numbers of the servers holding a copy of some chunk
     ttl_class: str
     location: bytes  # framed BlockLocation (see the module docstring)
+    key: bytes = b""  # the block key
+    slot: int = -1  # where the row is stored (row_key); given at commit
 
     def encode(self) -> bytes:
-        head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, self.ttl, self.depth, self.hits, self.created,
-                          self.last_used, self.rank, self.footprint, self.nbytes, self.parent or bytes(KEY_BYTES))
+        n = len(self.servers)
+        head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, n, self.ttl, self.last_used, self.depth, self.hits,
+                          self.created, self.rank, self.footprint, self.nbytes, self.slot,
+                          self.parent or bytes(KEY_BYTES))
         name = self.ttl_class.encode()
-        return b"".join((head, _COUNT.pack(len(self.servers)), struct.pack(f"<{len(self.servers)}H", *self.servers),
-                         bytes([len(name)]), name, self.location))
+        return b"".join((self.key, head, struct.pack(f"<{n}H", *self.servers), bytes([len(name)]), name,
+                         self.location))
 
     @classmethod
     def decode(cls, raw: bytes) -> Row:
-        _, flags, ttl, depth, hits, created, last_used, rank, footprint, nbytes, parent = _HEAD.unpack_from(raw)
-        n = _COUNT.unpack_from(raw, _HEAD.size)[0]
-        servers = struct.unpack_from(f"<{n}H", raw, _HEAD.size + 2)
-        at = _HEAD.size + 2 + 2 * n
+        (_, flags, n, ttl, last_used, depth, hits, created, rank, footprint, nbytes, slot,
+         parent) = _HEAD.unpack_from(raw, _KEY)
+        servers = struct.unpack_from(f"<{n}H", raw, SERVERS)
+        at = SERVERS + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
-                   parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :])
+                   parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :], raw[:_KEY], slot)
 
     @staticmethod
     def head(raw: bytes) -> tuple[int, float, tuple[int, ...], int]:
-        """(ttl, last_used, server numbers, offset of the framed location): what a lookup reads."""
-        ttl, last_used = _TTL.unpack_from(raw, 2)[0], _LAST_USED.unpack_from(raw, 22)[0]
-        n = _COUNT.unpack_from(raw, _HEAD.size)[0]
-        at = _HEAD.size + 2 + 2 * n
-        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, _HEAD.size + 2), at + 1 + raw[at]
+        """(ttl, last_used, server numbers, offset of the framed location)."""
+        n, ttl, last_used = LOOKUP.unpack_from(raw, _KEY)
+        at = SERVERS + 2 * n
+        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, SERVERS), at + 1 + raw[at]
 
     def block_location(self) -> meta_pb2.BlockLocation:
         return meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]

@@ -73,8 +73,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     async def AllocateBlocks(self, request, context):
         evicted = self.state.evicted_blocks
-        reply = self.state.allocate(namespace_digest(request.namespace), list(request.keys), request.layout,
-                                    request.parent)
+        reply = await self.state.allocate_async(namespace_digest(request.namespace), list(request.keys),
+                                                request.layout, request.parent)
         await self.state.durable()
         await self._free_evicted(evicted)
         return reply

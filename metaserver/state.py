@@ -36,6 +36,31 @@ from .records import parse_owner
 log = logging.getLogger(__name__)
 
 EVICT_INLINE = 1024  # blocks a write may evict itself; the rest (down to the low watermark) in the background
+EVICT_SLICE = 64  # of those, blocks evicted between two turns of the event loop
+
+
+def run_steps(steps):
+    """Runs a generator of steps (allocate_steps, commit_steps, make_room_steps) to
+    its end at once; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+async def run_steps_async(steps, gate: asyncio.Lock):
+    """run_steps(), serving the event loop between steps. Steps of all the calls
+    sharing `gate` take turns, one per turn of the loop: eight writers each with a
+    step ready would otherwise run eight steps between two polls of the sockets,
+    and keep every lookup and heartbeat waiting that long."""
+    while True:
+        async with gate:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+        await asyncio.sleep(0)
 MAX_QUEUED_DELETES = 1 << 20  # chunk copies waiting for deletion; background removals pause past it
 
 __all__ = ["MetaState", "Repair", "ServerState"]
@@ -54,6 +79,7 @@ class MetaState:
         self.queued_deletes = 0
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
+        self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))
 
@@ -106,20 +132,22 @@ class MetaState:
 
     def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
                  parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
-        return self.allocations.allocate(namespace_digest, keys, layout_msg, parent, self.make_room)
+        return run_steps(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
+                                                         self.make_room_steps))
+
+    async def allocate_async(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
+                             parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
+        """allocate(), letting the event loop serve other calls between its pieces."""
+        return await run_steps_async(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
+                                                                     self.make_room_steps), self._write_turns)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
-        return self.allocations.commit(namespace_digest, req, self.make_room)
+        return run_steps(self.allocations.commit_steps(namespace_digest, req, self.make_room_steps))
 
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
-        steps = self.allocations.commit_steps(namespace_digest, req, self.make_room)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            await asyncio.sleep(0)
+        return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.make_room_steps),
+                                     self._write_turns)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
         """MatchPrefix's reply, serialized."""
@@ -140,35 +168,49 @@ class MetaState:
         return bool(capacity) and total > self.cfg.evict_high * capacity
 
     def make_room(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE) -> int:
+        return run_steps(self.make_room_steps(incoming, pinned, limit))
+
+    def make_room_steps(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE):
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
         high watermark: leaves, lowest rank first, until they fit under it (at most
-        `limit` blocks); the background pass (`evict_slice`) goes on down to the low
-        watermark. Blocks in `pinned`, the parents of open allocations' blocks, and all
-        their ancestors stay. Returns blocks evicted; their chunks go to the delete queue."""
+        `limit` blocks, EVICT_SLICE a step); the background pass (`evict_slice`) goes on
+        down to the low watermark. Blocks in `pinned`, the parents of open allocations'
+        blocks, and all their ancestors stay. A generator (yields between slices);
+        returns blocks evicted. Their chunks go to the delete queue."""
         if not self.over_high(incoming):
             return 0
         self.evicting = True
-        # at least what comes in: past the high mark the disks may be full, and the new
-        # chunks must find room in the space this frees
-        return self._evict(incoming, pinned, limit, self.cfg.evict_high, at_least=incoming)
+        capacity, before = self.capacity_bytes(), self.blocks.cache_bytes
+        evicted = 0
+        while evicted < limit:
+            if evicted:
+                yield
+            # at least what comes in: past the high mark the disks may be full, and the new
+            # chunks must find room in the space this frees
+            freed = before - self.blocks.cache_bytes
+            step = min(EVICT_SLICE, limit - evicted)
+            n = self._evict(incoming, pinned, step, self.cfg.evict_high, at_least=incoming - freed)
+            evicted += n
+            if n < step:
+                break
+        # a warning when nothing could go: every leaf is under a write in flight
+        log.log(logging.INFO if evicted else logging.WARNING,
+                "eviction (%s): %d blocks, %.1f MiB; cache %.1f%% -> %.1f%% of %.1f MiB, %.1f MiB being written",
+                self.cfg.eviction_policy, evicted, (before - self.blocks.cache_bytes) / MiB,
+                100 * before / capacity, 100 * self.blocks.cache_bytes / capacity, capacity / MiB,
+                (incoming + self.allocations.incoming_bytes()) / MiB)
+        return evicted
 
     def _evict(self, incoming: int, pinned: set[bytes], limit: int, watermark: float, at_least: int = 0) -> int:
         """Evicts until cached blocks, open allocations and `incoming` fit under
         `watermark` of capacity, and at least `at_least` bytes; at most `limit` blocks."""
         capacity = self.capacity_bytes()
-        incoming += self.allocations.incoming_bytes()
-        before = self.blocks.cache_bytes
-        need = max(at_least, before + incoming - int(watermark * capacity))
+        need = max(at_least, self.blocks.cache_bytes + incoming + self.allocations.incoming_bytes()
+                   - int(watermark * capacity))
         if not capacity or need <= 0:
             return 0
         n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit)
         self.queue_deletes(chunks)
-        after = self.blocks.cache_bytes
-        # a warning when nothing could go: every leaf is under a write in flight
-        log.log(logging.INFO if n else logging.WARNING,
-                "eviction (%s): %d blocks, %.1f MiB; cache %.1f%% -> %.1f%% of %.1f MiB, %.1f MiB being written",
-                self.cfg.eviction_policy, n, (before - after) / MiB, 100 * before / capacity,
-                100 * after / capacity, capacity / MiB, incoming / MiB)
         return n
 
     def queue_deletes(self, chunks: Iterable[meta_pb2.StoredChunk]) -> None:

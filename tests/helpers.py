@@ -105,10 +105,20 @@ def flip_stored_byte(data_dir: pathlib.Path, chunk: bytes, at: int) -> str | Non
 
 
 def block_rows(state) -> dict:
-    """Every block row a MetaState holds: full key -> records.Row."""
+    """Every block row a MetaState holds: full key -> records.Row. Checks that each
+    row is where its block's slot entry points, and that no two share a slot."""
     from kvfs.metaserver import records
 
-    return {k[1:]: records.Row.decode(v) for k, v in state.db.scan(records.BLOCK)}
+    rows = {}
+    for k, v in state.db.scan(records.ROW):
+        row = records.Row.decode(v)
+        full = k[1:17] + row.key
+        assert full not in rows, "a block has two rows"
+        assert k == records.row_key(k[1:17], row.slot), "a row's slot is not where it is stored"
+        rows[full] = row
+    slots = {k[1:]: records.read_u64(v) for k, v in state.db.scan(records.BLOCK)}
+    assert slots == {f: r.slot for f, r in rows.items()}, "slot entries and rows disagree"
+    return rows
 
 
 def keys_under(state, prefix: bytes) -> set[bytes]:

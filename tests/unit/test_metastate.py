@@ -9,20 +9,69 @@ from kvfs.layout import BlockLayout
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 
-from helpers import Clock
+from helpers import Clock, assert_metadata_consistent
 
 NS = Namespace("t", "m")
 LAYOUT = BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
 LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")
 
 
-def write(state, keys, ttl_class="chat"):
-    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+def write(state, keys, ttl_class="chat", parent=b"", ns=NS):
+    alloc = state.allocate(ns.digest, keys, LAYOUT_MSG, parent)
     req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class=ttl_class)
     for b in alloc.blocks:
         if not b.already_present:
             req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
-    return alloc, state.commit(NS.digest, req)
+    return alloc, state.commit(ns.digest, req)
+
+
+def slots(state, keys, ns=NS):
+    return [state.blocks.row(ns.digest + k).slot for k in keys]
+
+
+def test_a_prompts_blocks_take_consecutive_slots_and_a_branch_starts_a_run_of_its_own(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(80), 4)
+    write(state, keys[:8])
+    write(state, keys[8:12], parent=keys[7])  # the prompt grows in a later commit: the slots after
+    first = slots(state, keys[:12])
+    assert first == list(range(first[0], first[0] + 12))
+    branch = block_keys(NS, list(range(24)) + [999] * 8, 4)  # shares 6 blocks, then differs
+    assert branch[:6] == keys[:6] and branch[6] != keys[6]
+    write(state, branch[6:], parent=branch[5])  # slot 7 of the run is taken: a fresh run
+    other = slots(state, branch[6:])
+    assert other == list(range(other[0], other[0] + 2)) and other[0] not in first
+    assert state.match(NS.digest, keys).matched == 12
+    assert state.match(NS.digest, branch).matched == 8  # 6 from the first run, 2 from the branch's
+    assert state.match(NS.digest, keys[:3] + branch[3:]).matched == 8
+    assert_metadata_consistent(state)
+
+
+def test_a_lookup_never_reads_another_namespaces_rows(make_state):
+    # the same block keys under two namespaces (a client may send any 16 bytes): a lookup
+    # that runs off the end of its namespace's rows must not continue into the next one's
+    a, b = sorted([NS, Namespace("t", "other")], key=lambda ns: ns.digest)
+    keys = block_keys(NS, range(40), 4)
+    write(state := make_state(), keys[:4], ns=a)
+    write(state, keys[4:], parent=b"", ns=b)  # b's rows start with keys[4], right after a's in key order
+    assert state.match(a.digest, keys).matched == 4
+    assert state.match(b.digest, keys[4:]).matched == 6
+    assert_metadata_consistent(state)
+
+
+def test_a_block_gone_from_the_middle_of_a_run_ends_the_match_there(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(40), 4)
+    write(state, keys[:4], ttl_class="chat")
+    write(state, keys[4:], parent=keys[3], ttl_class="short")
+    clock.now += 11  # keys[4:] expire; written again under the same parent, keys[4] keeps its slot
+    state.expire_blocks()
+    assert state.match(NS.digest, keys).matched == 4
+    write(state, keys[4:6], parent=keys[3])
+    assert state.match(NS.digest, keys).matched == 6
+    assert slots(state, keys[:6]) == list(range(slots(state, keys[:1])[0], slots(state, keys[:1])[0] + 6))
+    assert_metadata_consistent(state)
 
 
 def test_match_is_the_longest_present_run_from_block_zero(make_state):
@@ -225,8 +274,8 @@ def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(mak
         for b in alloc.blocks:
             req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
         reqs.append((alloc, req))
-    first = state.allocations.commit_steps(NS.digest, reqs[0][1], state.make_room)
-    second = state.allocations.commit_steps(NS.digest, reqs[1][1], state.make_room)
+    first = state.allocations.commit_steps(NS.digest, reqs[0][1], state.make_room_steps)
+    second = state.allocations.commit_steps(NS.digest, reqs[1][1], state.make_room_steps)
     results = {}
     pending = {"first": first, "second": second}
     while pending:  # alternate one piece of each, as two RPCs would on the event loop
