@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfs.proto import chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
+from kvfs.serving import bound_address, run_server, until_signalled, watch_event_loop, write_ready_file
 
 from .config import ChunkserverConfig
 from .dataport import start_data_server
@@ -48,7 +48,9 @@ async def serve(cfg: ChunkserverConfig) -> None:
     # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
     scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
     scrubbing = asyncio.create_task(scrubber.run_forever())
+    watching = asyncio.create_task(watch_event_loop(log))
     await until_signalled()
+    watching.cancel()
     log.info("chunkserver %s stopping", cfg.id)
     if beats:
         beats.cancel()

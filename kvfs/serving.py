@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from kvfs.config import add_flags, load
 
@@ -36,6 +37,32 @@ async def until_signalled() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+STALL_REPORT_EVERY = 10.0  # seconds: at most one stall line per this, with a count
+
+
+async def watch_event_loop(log: logging.Logger, threshold: float = 0.1, tick: float = 0.01) -> None:
+    """Logs a warning when the event loop could not run a `tick`-second timer for
+    over `threshold` seconds: every RPC waited that long. The line says how much of
+    that time this thread was on the CPU: close to all of it, our own code held
+    the loop; little of it, the process was starved (other processes, or another
+    thread holding the GIL). At most one line every STALL_REPORT_EVERY seconds."""
+    worst, count, reported = 0.0, 0, time.monotonic()
+    while True:
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        await asyncio.sleep(tick)
+        now = time.monotonic()
+        held = now - t0 - tick
+        if held > threshold:
+            count += 1
+            if held > worst:
+                worst, worst_cpu = held, time.thread_time() - cpu0
+        if count and now - reported >= STALL_REPORT_EVERY:
+            log.warning("event loop held up to %.0f ms (%.0f ms of it on the CPU in this thread); %d times over "
+                        "%.0f ms in the last %.0f s", 1e3 * worst, 1e3 * worst_cpu, count, 1e3 * threshold,
+                        now - reported)
+            worst, count, reported = 0.0, 0, now
 
 
 def run_server(prog: str, description: str, cfg_cls: type, section: str, serve, argv: list[str] | None) -> int:

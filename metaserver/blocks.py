@@ -173,6 +173,13 @@ class BlockTable:
         self.ghost_seq = db.counter(b"ghost_seq")
         self.ghosts = db.counter(b"ghosts")
         self.next_slot = db.counter(b"next_slot")  # where the next run of slots starts
+        # Expiry, eviction and the ghost's order are queues, consumed from the front:
+        # in an LSM tree their front is a run of deleted entries (tombstones) until a
+        # compaction, and a scan from the start would step over every one of them
+        # (0.3 ms per scan after 3,000 evictions; tens of ms after a large eviction).
+        # Each scan starts from its floor instead: no entry sorts below it, as every
+        # new entry lowers it (leaf(), expires()).
+        self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
         self.hits: dict[bytes, tuple[int, float]] = {}  # full key -> (hits, last) since the last flush
         self._hits_dropped = 0
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
@@ -223,6 +230,16 @@ class BlockTable:
         slot = self.db.get(BLOCK + full)
         raw = self.db.get(row_key(full[:KEY_BYTES], read_u64(slot))) if slot is not None else None
         return Row.decode(raw) if raw is not None else None
+
+    def leaf(self, batch: WriteBatch, victim: bytes) -> None:
+        """Stages an eviction index entry (`victim_key`)."""
+        batch.put(victim, b"")
+        self.victim_floor = min(self.victim_floor, victim)
+
+    def expires(self, batch: WriteBatch, expiry: bytes) -> None:
+        """Stages an expiry index entry (`expiry_key`)."""
+        batch.put(expiry, b"")
+        self.expiry_floor = min(self.expiry_floor, expiry)
 
     @staticmethod
     def put_row(batch: WriteBatch, full: bytes, row: Row) -> None:
@@ -329,10 +346,10 @@ class BlockTable:
             batch.delete(expiry_key(row.last_used + row.ttl, full))
             row.last_used, row.hits = last, row.hits + count
             row.rank = self.ranks.rank(row.hits, last)
-            batch.put(expiry_key(last + row.ttl, full), b"")
+            self.expires(batch, expiry_key(last + row.ttl, full))
             if leaf is not None:
                 batch.delete(old_victim)
-                batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
+                self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
             self.put_row(batch, full, row)
         self.db.write(batch)
         return len(taken)
@@ -361,7 +378,7 @@ class BlockTable:
                         not self.db.has_prefix(CHILD + old_parent, gone_children):
                     prow = self.row(old_parent)  # left without children: a leaf again
                     if prow is not None:
-                        batch.put(victim_key(prow.rank, prow.last_used, prow.depth, old_parent), b"")
+                        self.leaf(batch, victim_key(prow.rank, prow.last_used, prow.depth, old_parent))
             batch.delete(expiry_key(old.last_used + old.ttl, full))
             batch.delete(victim_key(old.rank, old.last_used, old.depth, full))
             batch.delete(SHORT + full)
@@ -401,12 +418,12 @@ class BlockTable:
             if old is None:
                 batch.put(BLOCK + full, u64(row.slot))
             self.put_row(batch, full, row)
-            batch.put(expiry_key(row.last_used + row.ttl, full), b"")
+            self.expires(batch, expiry_key(row.last_used + row.ttl, full))
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
             # a leaf, unless children of an earlier life of this block are still stored
             if full not in parents_of_new and not self.db.has_prefix(CHILD + full, gone_children):
-                batch.put(victim_key(row.rank, row.last_used, row.depth, full), b"")
+                self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
             for n in row.servers:
                 batch.put(replica_key(n, full), b"")
             if check_short and any(len(c.replicas) < self.cfg.replicas for c in row.block_location().chunks):
@@ -424,9 +441,10 @@ class BlockTable:
         over = min(GHOST_TRIM, self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks)))
         if over <= 0:
             return
-        for key, _ in self.db.scan(GHOST_ORDER, limit=over):
+        for key, _ in self.db.scan(GHOST_ORDER, start=self.ghost_floor, limit=over):
             full = key[-FULL:]
             batch.delete(key)
+            self.ghost_floor = key + b"\x00"  # sequence numbers only grow: nothing comes in below
             if full in consumed:
                 continue
             raw = self.db.get(GHOST + full)
@@ -469,7 +487,7 @@ class BlockTable:
         if prow is None:
             return None
         vkey = victim_key(prow.rank, prow.last_used, prow.depth, parent)
-        b.put(vkey, b"")
+        self.leaf(b, vkey)
         return vkey
 
     def write(self, staged: Staged) -> None:
@@ -511,7 +529,11 @@ class BlockTable:
     def expire(self, limit: int = 1024) -> list[meta_pb2.StoredChunk]:
         """Removes up to `limit` blocks past their TTL, soonest due first; their chunks."""
         now = self.clock()
-        due = [k[-FULL:] for k, _ in self.db.scan(EXPIRY, limit=limit, stop=EXPIRY + u64(int(now)))]
+        due_keys = [k for k, _ in self.db.scan(EXPIRY, start=self.expiry_floor, limit=limit,
+                                               stop=EXPIRY + u64(int(now)))]
+        if due_keys:
+            self.expiry_floor = due_keys[0]  # what lies below is deleted entries only
+        due = [k[-FULL:] for k in due_keys]
         staged = Staged()
         for full, raw in zip(due, self.rows(due)):
             if full in self.hits:
@@ -530,13 +552,15 @@ class BlockTable:
         are freed or `limit` blocks went. Blocks in `pinned`, their ancestors and
         blocks hit since the last flush stay. Returns (blocks, their chunks)."""
         staged = Staged()
-        freed, cursor, exhausted = 0, VICTIM, False
+        freed, cursor, exhausted = 0, self.victim_floor, False
         heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves
         while freed < nbytes and len(staged.removed) < limit:
             if not exhausted and (not heap or heap[0] >= cursor):
                 scanned = [k for k, _ in self.db.scan(VICTIM, start=cursor, limit=256)]
                 exhausted = len(scanned) < 256
                 if scanned:
+                    if cursor == self.victim_floor:
+                        self.victim_floor = scanned[0]  # what lies below is deleted entries only
                     cursor = scanned[-1] + b"\x00"
                 for k in scanned:
                     heapq.heappush(heap, k)

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, run_server, until_signalled, write_ready_file
+from kvfs.serving import bound_address, run_server, until_signalled, watch_event_loop, write_ready_file
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
@@ -42,7 +42,8 @@ async def serve(cfg: MetaserverConfig) -> None:
              100 * cfg.evict_low)
     write_ready_file(cfg.ready_file, address)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
-             asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever())]
+             asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever()),
+             asyncio.create_task(watch_event_loop(log))]
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()

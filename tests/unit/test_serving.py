@@ -1,0 +1,34 @@
+"""watch_event_loop: what an operator reads when a server's event loop was held."""
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from kvfs import serving
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("busy", [True, False])
+async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, caplog, monkeypatch):
+    monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
+    log = logging.getLogger("test.watch")
+    watcher = asyncio.create_task(serving.watch_event_loop(log, threshold=0.1))
+    try:
+        await asyncio.sleep(0.05)
+        end = time.monotonic() + 0.25  # hold the loop: spinning (our code) or sleeping (starved)
+        while time.monotonic() < end:
+            if not busy:
+                time.sleep(0.25)
+        deadline = time.monotonic() + 5
+        while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        watcher.cancel()
+    lines = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    assert lines and lines[0].levelno == logging.WARNING
+    held, cpu = lines[0].args[0], lines[0].args[1]
+    assert held >= 200
+    # spinning is on the CPU (some of it, however loaded the machine); sleeping is not
+    assert (cpu >= 50) if busy else (cpu < held / 2)
