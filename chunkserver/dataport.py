@@ -159,9 +159,7 @@ class _Handler(socketserver.BaseRequestHandler):
             served: list[tuple[PlannedRead, int, int]] = []
             for p in plan:
                 start, length = wire.widen(p.offset, p.length, p.rec.length)
-                b0 = start // wire.BLOCK
-                sums = p.rec.blocks[b0 : b0 + -(-length // wire.BLOCK)]
-                replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, sums)
+                replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, tuple(p.rec.blocks))
                 served.append((p, start, length))
             if shm:
                 self._read_into_shm(header, ranges, replies, served)
@@ -244,7 +242,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 got = os.preadv(fd, reads, p.rec.slot.offset + start)
             if got < length:
                 _fail_range(reply, 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})")
-            elif not self._verified(iov, reply.checksums):
+            elif not self._verified(iov, reply.covering()):
                 # the bytes are in the client's buffer, but it never uses a range that failed
                 _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
                 self.store.count_checksum_error(p.chunk_id, p.rec)

@@ -67,7 +67,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
             await abort(context, "ReadChunks", err)
         for i, r in enumerate(results):
             yield chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
-                                        chunk_length=r.length, chunk_checksum=r.checksum, index=i)
+                                        chunk_length=r.length, chunk_checksum=r.checksum, index=i,
+                                        block_checksums=r.blocks)
 
     @handles_errors
     async def DeleteChunks(self, request, context):

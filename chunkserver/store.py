@@ -36,8 +36,7 @@ import grpc
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from kvfs.buffers import PAGE, aligned_bytearray
-from kvfs.checksum import BLOCK, block_checksums
-from kvfs.checksum import chunk_checksum as checksum
+from kvfs.checksum import BLOCK, block_checksum, block_checksums, checksum_of_blocks
 from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
 
@@ -89,6 +88,7 @@ class ReadResult:
     data: bytes = b""
     length: int = 0
     checksum: int = 0
+    blocks: tuple[int, ...] = ()  # every block checksum of the chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +287,8 @@ class ChunkStore:
         if not 0 < len(data) <= self.cfg.max_chunk_size:
             raise InvalidArgument(f"chunk length must be 1..{self.cfg.max_chunk_size} bytes, got {len(data)}")
         loop = asyncio.get_running_loop()
-        actual, blocks = await loop.run_in_executor(self._io, lambda: (checksum(data), block_checksums(data)))
+        blocks = await loop.run_in_executor(self._io, block_checksums, data)
+        actual = checksum_of_blocks(blocks)
         if actual != expected:
             raise DataLoss(f"chunk {short_id(chunk_id)}: checksum mismatch on arrival "
                            f"(sent {expected:#018x}, received bytes hash to {actual:#018x}); nothing stored")
@@ -465,7 +466,7 @@ class ChunkStore:
         view = memoryview(buf)
         for j in range(need // BLOCK + (need % BLOCK > 0)):
             lo = j * BLOCK
-            if checksum(view[lo : min(lo + BLOCK, need)]) != rec.blocks[b0 + j]:
+            if block_checksum(view[lo : min(lo + BLOCK, need)]) != rec.blocks[b0 + j]:
                 self.count_checksum_error(chunk_id, rec, scrub)
                 log.error("chunk %s on %s: checksum mismatch in block %d (slot %s, found by %s); not served",
                           short_id(chunk_id), self.cfg.id, b0 + j, rec.slot, "scrub" if scrub else "a read")
@@ -476,7 +477,8 @@ class ChunkStore:
             return ReadResult(length=rec.length, checksum=rec.checksum)
         self.count_read(length)
         lo = offset - start
-        return ReadResult(data=bytes(view[lo : lo + length]), length=rec.length, checksum=rec.checksum)
+        return ReadResult(data=bytes(view[lo : lo + length]), length=rec.length, checksum=rec.checksum,
+                          blocks=tuple(rec.blocks))
 
     def _unpin(self, ref: SlotRef) -> None:
         with self._pin_lock:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfs.buffers import address_of, byte_view
-from kvfs.errors import Aborted, Internal, InvalidArgument, KvfsError, Unavailable
+from kvfs.errors import Aborted, DataLoss, Internal, InvalidArgument, KvfsError, Unavailable
 from kvfs.layout import BlockLayout
 
 from .hedge import Fence, HedgeBudget, ServerLatency
@@ -40,6 +40,7 @@ class _Item:
     layers: list[int]
     replicas: list[ServerInfo]  # in preference order
     tried: set[str] = field(default_factory=set)  # addresses that failed it
+    last_error: KvfsError | None = None
     reading: int = 0  # reads of it in flight (2 while hedged)
     done: bool = False
 
@@ -120,7 +121,8 @@ class Restore:
                 lo = max(span.offset, need[0] * layout.layer_bytes)
                 hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
-                spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, layout.scatter(sub, b, tokens),
+                spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, c.checksum,
+                                layout.scatter(sub, b, tokens),
                                 Fence() if hedging is not None and len(c.replicas) > 1 else None)
                 items.append(_Item(b, spec, need, [match.servers[i] for i in c.replicas]))
                 self._remaining.update(need)
@@ -139,8 +141,10 @@ class Restore:
         choices = [s for s in item.replicas if s.address not in item.tried]
         choices = [s for s in choices if s.address != avoid] or choices
         if not choices:
-            self._fail(Unavailable(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every "
-                                   f"replica failed ({', '.join(sorted(item.tried))})"))
+            # corrupt or not the committed chunk everywhere: say so (DATA_LOSS), else unavailable
+            kind = DataLoss if isinstance(item.last_error, DataLoss) else Unavailable
+            self._fail(kind(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every replica failed "
+                            f"({', '.join(sorted(item.tried))}); the last: {item.last_error}"))
             return
         server = min(choices, key=lambda s: (self._load[s.address], item.replicas.index(s)))
         self._load[server.address] += item.read_length
@@ -211,6 +215,7 @@ class Restore:
                 continue
             if not isinstance(err, Aborted):  # Aborted: its bytes lost a race, the server is fine
                 it.tried.add(server.address)
+                it.last_error = err
             if it.reading == 0:  # no other read of it is still coming
                 self.stats.retries += 1
                 self._enqueue(it)

@@ -2,8 +2,9 @@
 
 One small interface, three implementations:
 
-  GrpcTransport  ReadChunks over gRPC; the server verified every block, the
-                 client copies each range out of its message (one copy);
+  GrpcTransport  ReadChunks over gRPC, each range widened to whole 64 KiB
+                 blocks; the client verifies them and copies the range out of
+                 its message (one copy);
   TcpTransport   the chunkserver's data port (kvfs/wire.py): a few pipelined
                  connections per server, each drained by a thread that receives
                  every range with recv_into straight into its places in the
@@ -14,9 +15,13 @@ One small interface, three implementations:
                  arena (else into staging, copied out), verifies the bytes there,
                  and the socket carries only requests and completions.
 
-A range that fails (missing, corrupt, server gone) comes back as an error for
-that range only; the restore retries it on another replica. Bytes that fail
-their checksum are never reported as read.
+Every transport checks, per range, that the chunk's block checksums the
+server sent hash to the checksum the metaserver committed for the chunk
+(kvfs/checksum.py): a chunk rewritten behind the metaserver's back, with other
+bytes and checksums of their own, is refused whichever way it travels. A range
+that fails (missing, corrupt, not the committed chunk, server gone) comes back
+as an error for that range only; the restore retries it on another replica.
+Bytes that fail their checksum are never reported as read.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Protocol
 
 from kvfs import wire
 from kvfs.buffers import address_of, memmove
+from kvfs.checksum import blocks_covering, checksum_of_blocks
 from kvfs.errors import Aborted, DataLoss, KvfsError, Unavailable, from_code
 
 from .chunks import ChunkClient
@@ -64,6 +70,7 @@ class ReadSpec:
     offset: int
     length: int
     chunk_length: int
+    checksum: int  # the chunk's, as the metaserver committed it (kvfs/checksum.py)
     pieces: list[tuple[int, int, int]]  # (offset within the range, offset in the destination, length)
     # set when another reader may race this one for the range (a hedged read): only
     # the reader that claims it writes into the destination; a fenced range is never
@@ -76,6 +83,18 @@ class ReadSpec:
     def release(self, reader: object) -> None:
         if self.fence is not None:
             self.fence.release(reader)
+
+
+def not_committed(spec: ReadSpec, sums, address: str) -> DataLoss | None:
+    """None if a chunk's block checksums (as a server sent them) hash to the
+    committed checksum; else the error for the range, logged."""
+    got = checksum_of_blocks(sums)
+    if got == spec.checksum:
+        return None
+    message = (f"chunk {spec.chunk_id.hex()[:16]} on {address} is not the chunk committed: its block checksums "
+               f"hash to {got:#018x}, the metaserver committed {spec.checksum:#018x}; not used")
+    log.warning("%s", message)
+    return DataLoss(message)
 
 
 def superseded(spec: ReadSpec, address: str) -> Aborted:
@@ -108,6 +127,14 @@ def is_local(address: str) -> bool:
     return host in mine
 
 
+def _verified(views, checksums) -> bool:
+    """Whether bytes (one buffer, or pieces in order) match these block checksums."""
+    verifier = wire.BlockVerifier(checksums)
+    for view in [views] if isinstance(views, (bytes, bytearray, memoryview)) else views:
+        verifier.feed(memoryview(view))
+    return verifier.finish()
+
+
 class GrpcTransport:
     name = "grpc"
 
@@ -116,24 +143,29 @@ class GrpcTransport:
 
     async def read(self, server, specs, out):
         client: ChunkClient = self._clients(server.address)
+        widened = [wire.widen(s.offset, s.length, s.chunk_length) for s in specs]  # whole checksum blocks
         try:
-            results = await client.read([(s.chunk_id, s.offset, s.length) for s in specs])
+            results = await client.read([(s.chunk_id, start, n) for s, (start, n) in zip(specs, widened)])
         except KvfsError as err:
             return [err] * len(specs)
         errors: list[KvfsError | None] = []
         reader = object()
-        for spec, res in zip(specs, results):
+        for spec, (start, n), res in zip(specs, widened, results):
             if res.code:
                 errors.append(from_code(res.code, res.message))
-            elif len(res.data) != spec.length:
-                errors.append(DataLoss(f"{server.address} returned {len(res.data)} bytes for a "
-                                       f"{spec.length}-byte range"))
+            elif len(res.data) != n:
+                errors.append(DataLoss(f"{server.address} returned {len(res.data)} bytes for a {n}-byte range"))
+            elif (wrong := not_committed(spec, res.block_checksums, server.address)) is not None:
+                errors.append(wrong)
+            elif not _verified(res.data, res.block_checksums[blocks_covering(start, n)]):
+                errors.append(DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {server.address} failed its "
+                                       f"checksum"))
             elif not spec.claim(reader):
                 errors.append(superseded(spec, server.address))
             else:
-                data = memoryview(res.data)
-                for src, dst, n in spec.pieces:
-                    out[dst : dst + n] = data[src : src + n]
+                data = memoryview(res.data)[spec.offset - start :]
+                for src, dst, k in spec.pieces:
+                    out[dst : dst + k] = data[src : src + k]
                 data.release()
                 errors.append(None)
         return errors
@@ -364,8 +396,13 @@ class _Connection:
             if res.data_start > spec.offset or res.data_start + res.data_len < end:
                 raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) misses the range "
                                      f"[{spec.offset}, {end})")
+            wrong = not_committed(spec, res.checksums, self.address)
             if p.region < 0:
-                errors.append(self._receive(spec, res, p.out, reader))
+                if wrong is not None:
+                    self._discard(res.data_len)  # keep the stream in step
+                errors.append(wrong or self._receive(spec, res, p.out, reader))
+            elif wrong is not None:  # zero-copy bytes may be in the destination: the range is not used
+                errors.append(wrong)
             else:  # the server verified the bytes (wire.py); staged ones are copied out
                 self.shm_ranges[p.zero_copy] += 1
                 if not p.zero_copy and not spec.claim(reader):
@@ -391,10 +428,7 @@ class _Connection:
         if tail:
             views.append(scratch[wire.BLOCK : wire.BLOCK + tail])
         _recv_scattered(self.sock, list(views))  # it trims its copy as views fill
-        verifier = wire.BlockVerifier(res.checksums)
-        for view in views:
-            verifier.feed(view)
-        if not verifier.finish():
+        if not _verified(views, res.covering()):
             log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
             spec.release(reader)
             return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")

@@ -12,19 +12,22 @@ Requests (client -> server):
                 (0: the connection's staging buffer, 1: the client's buffer arena)
 Replies (server -> client), same request id:
   READ_REPLY    count range results: code u16, msg_len u16, message, data start u64,
-                data length u64, chunk length u64, n u32, n x xxh3-64 of the 64 KiB
-                blocks covering the data; for READ, the data of every OK range follows
-                the body, in order; for READ_SHM it is in the shared buffer
+                data length u64, chunk length u64, n u32, n x xxh3-64 of every 64 KiB
+                block of the chunk (they hash to its committed checksum,
+                kvfs/checksum.py); for READ, the data of every OK range follows the
+                body, in order; for READ_SHM it is in the shared buffer
   STATUS        code u16, msg_len u16, message (SHM_REGISTER's answer, or why a
                 malformed request closed the connection)
 
 The data of a range is widened to whole 64 KiB checksum blocks (clamped to the
 chunk's end): [data start, data start + data length) covers the requested
-range. For READ the client verifies every block against its checksum before
-any of it is handed over. For READ_SHM the server reads the widened range, puts
+range. For READ the client checks that the block checksums hash to the chunk
+checksum the metaserver committed, and every block it received against its
+checksum, before any of it is handed over. For READ_SHM the server reads the widened range, puts
 the requested bytes into the pieces (straight into the client's destination
 when that lies in its registered arena) and the widening into its own scratch,
-verifies every block, and answers DATA_LOSS (15) for a range that failed. Codes
+verifies every block, and answers DATA_LOSS (15) for a range that failed; the
+client still checks the block checksums against the committed chunk checksum. Codes
 are google.rpc codes (0 OK, 5 NOT_FOUND, ...).
 """
 
@@ -35,10 +38,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvfs.checksum import BLOCK
+from kvfs.checksum import BLOCK, blocks_covering
 
 MAGIC = b"KVFS"
-VERSION = 1
+VERSION = 2  # 2: replies carry every block checksum of the chunk
 HEADER = struct.Struct("<4sBBHQII")
 
 READ, READ_SHM, SHM_REGISTER = 1, 2, 3
@@ -95,7 +98,11 @@ class RangeResult:
     data_start: int = 0
     data_len: int = 0
     chunk_len: int = 0
-    checksums: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()  # every block of the chunk
+
+    def covering(self) -> tuple[int, ...]:
+        """The checksums of the blocks the data covers, in order."""
+        return self.checksums[blocks_covering(self.data_start, self.data_len)]
 
 
 def encode_header(kind: int, request_id: int, count: int, body_len: int, flags: int = 0) -> bytes:
@@ -234,8 +241,9 @@ def parse_read_reply(header: Header, body: bytes | memoryview) -> list[RangeResu
             raise WireError(f"reply ends inside the checksums of result {i}")
         sums = struct.unpack_from(f"<{nblocks}Q", body, pos)
         pos += 8 * nblocks
-        if code == 0 and (nblocks != -(-length // BLOCK) or start % BLOCK):
-            raise WireError(f"result {i}: {nblocks} checksums do not cover {length} bytes at {start}")
+        if code == 0 and (nblocks != -(-chunk_len // BLOCK) or start % BLOCK or start + length > chunk_len):
+            raise WireError(f"result {i}: {nblocks} checksums, {length} bytes at {start} do not fit a "
+                            f"{chunk_len}-byte chunk")
         out.append(RangeResult(code, message, start, length, chunk_len, sums))
     if pos != len(body):
         raise WireError("stray bytes after the last result")

@@ -71,20 +71,22 @@ class ReadChunksRequest(_message.Message):
     def __init__(self, ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ...) -> None: ...
 
 class RangeResult(_message.Message):
-    __slots__ = ("code", "message", "data", "chunk_length", "chunk_checksum", "index")
+    __slots__ = ("code", "message", "data", "chunk_length", "chunk_checksum", "index", "block_checksums")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     data: bytes
     chunk_length: int
     chunk_checksum: int
     index: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., data: _Optional[bytes] = ..., chunk_length: _Optional[int] = ..., chunk_checksum: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., data: _Optional[bytes] = ..., chunk_length: _Optional[int] = ..., chunk_checksum: _Optional[int] = ..., index: _Optional[int] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeleteChunksRequest(_message.Message):
     __slots__ = ("chunk_ids",)

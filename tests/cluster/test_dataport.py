@@ -7,9 +7,10 @@ import socket
 import pytest
 
 from kvfs import wire
+from kvfs.checksum import chunk_checksum
 from kvfs.client import ChunkClient, Client
 from kvfs.client.transport import ServerInfo, is_local
-from kvfs.errors import Unavailable
+from kvfs.errors import DataLoss
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
@@ -71,9 +72,9 @@ async def test_corrupt_replica_is_never_used_and_the_other_serves(local_cluster,
         flip_byte_in_every_chunk_on(cluster.root / "cs-2")
         match = await client.lookup(NS, tokens)
         r = client.read(match, bytearray(MLA.buffer_bytes(match.tokens)))
-        with pytest.raises(Unavailable, match="every replica failed"):
+        with pytest.raises(DataLoss, match="every replica failed"):
             await r.wait()
-        with pytest.raises(Unavailable):
+        with pytest.raises(DataLoss):
             await r.layer_ready(MLA.layers - 1)
 
 
@@ -157,8 +158,8 @@ async def test_clients_vanishing_mid_transfer_leave_the_server_serving(chunkserv
         from kvfs.client.transport import ReadSpec
 
         out = bytearray(4 * MiB)
-        errors = await client._transports["tcp"].read(info, [ReadSpec(b"c3", 0, 4 * MiB, 4 * MiB,
-                                                                      [(0, 0, 4 * MiB)])], memoryview(out))
+        spec = ReadSpec(b"c3", 0, 4 * MiB, 4 * MiB, chunk_checksum(chunks[b"c3"]), [(0, 0, 4 * MiB)])
+        errors = await client._transports["tcp"].read(info, [spec], memoryview(out))
         assert errors == [None] and bytes(out) == chunks[b"c3"]
 
 

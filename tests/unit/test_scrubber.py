@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from kvfs.chunkserver.scrub import PIECE, Pacer, Scrubber
-from kvfs.chunkserver.store import checksum
+from kvfs.checksum import chunk_checksum as checksum
 
 from helpers import flip_bytes
 

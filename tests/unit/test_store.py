@@ -6,7 +6,8 @@ import os
 import grpc
 import pytest
 
-from kvfs.chunkserver.store import BLOCK, ChunkRecord, ChunkStore, checksum
+from kvfs.checksum import chunk_checksum as checksum
+from kvfs.chunkserver.store import BLOCK, ChunkRecord, ChunkStore
 from kvfs.chunkserver.slots import SlotRef
 from kvfs.chunkserver.config import ChunkserverConfig
 from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument

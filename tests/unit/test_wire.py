@@ -48,10 +48,16 @@ def test_shm_pieces_must_add_up_to_the_range():
 
 
 def test_replies_and_statuses_round_trip():
-    results = [wire.RangeResult(0, "", 65536, 100_000, 165_536, (1, 2)), wire.RangeResult(5, "not found on cs-1")]
+    # a range's data covers blocks 1-2 of a 3-block chunk; the reply carries all 3 checksums
+    results = [wire.RangeResult(0, "", 65536, 100_000, 165_536, (1, 2, 3)), wire.RangeResult(5, "not found on cs-1")]
     frame = wire.encode_read_reply(9, results)
     header = wire.parse_header(frame[:24], requests=False)
     assert wire.parse_read_reply(header, frame[24:]) == results
+    assert results[0].covering() == (2, 3)
+    for short in ((1, 2), (1, 2, 3, 4)):  # not every block of the chunk: refused
+        frame = wire.encode_read_reply(9, [wire.RangeResult(0, "", 65536, 100_000, 165_536, short)])
+        with pytest.raises(wire.WireError, match="do not fit"):
+            wire.parse_read_reply(wire.parse_header(frame[:24], requests=False), frame[24:])
     frame = wire.encode_status(4, 3, "bad")
     header = wire.parse_header(frame[:24], requests=False)
     assert wire.parse_status(header, frame[24:]) == (3, "bad")
@@ -97,9 +103,10 @@ def test_truncated_frames_are_refused(rs, data):
 @pytest.mark.parametrize("raw,match", [
     (b"HTTP" + bytes(20), "magic"),
     (struct.pack("<4sBBHQII", b"KVFS", 9, 1, 0, 0, 0, 0), "version"),
-    (struct.pack("<4sBBHQII", b"KVFS", 1, 77, 0, 0, 0, 0), "kind"),
-    (struct.pack("<4sBBHQII", b"KVFS", 1, 1, 0, 0, wire.MAX_RANGES + 1, 0), "ranges"),
-    (struct.pack("<4sBBHQII", b"KVFS", 1, 1, 0, 0, 1, wire.MAX_BODY + 1), "body"),
+    (struct.pack("<4sBBHQII", b"KVFS", 1, 1, 0, 0, 0, 0), "version 1"),  # replies without every block checksum
+    (struct.pack("<4sBBHQII", b"KVFS", wire.VERSION, 77, 0, 0, 0, 0), "kind"),
+    (struct.pack("<4sBBHQII", b"KVFS", wire.VERSION, 1, 0, 0, wire.MAX_RANGES + 1, 0), "ranges"),
+    (struct.pack("<4sBBHQII", b"KVFS", wire.VERSION, 1, 0, 0, 1, wire.MAX_BODY + 1), "body"),
 ])
 def test_bad_headers_say_what_is_wrong(raw, match):
     with pytest.raises(wire.WireError, match=match):
