@@ -45,23 +45,24 @@ STALL_REPORT_EVERY = 10.0  # seconds: at most one stall line per this, with a co
 async def watch_event_loop(log: logging.Logger, threshold: float = 0.1, tick: float = 0.01) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
-    that time this thread was on the CPU: close to all of it, our own code held
-    the loop; little of it, the process was starved (other processes, or another
-    thread holding the GIL). At most one line every STALL_REPORT_EVERY seconds."""
+    that time the loop's thread, and the whole process, were on the CPU: the
+    thread most of it, our own code held the loop; the process but not the
+    thread, another thread held the GIL; neither, the machine did not run us (other
+    processes had the cores). At most one line every STALL_REPORT_EVERY seconds."""
     worst, count, reported = 0.0, 0, time.monotonic()
     while True:
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, thread0, process0 = time.monotonic(), time.thread_time(), time.process_time()
         await asyncio.sleep(tick)
         now = time.monotonic()
         held = now - t0 - tick
         if held > threshold:
             count += 1
             if held > worst:
-                worst, worst_cpu = held, time.thread_time() - cpu0
+                worst, thread, process = held, time.thread_time() - thread0, time.process_time() - process0
         if count and now - reported >= STALL_REPORT_EVERY:
-            log.warning("event loop held up to %.0f ms (%.0f ms of it on the CPU in this thread); %d times over "
-                        "%.0f ms in the last %.0f s", 1e3 * worst, 1e3 * worst_cpu, count, 1e3 * threshold,
-                        now - reported)
+            log.warning("event loop held up to %.0f ms (on the CPU meanwhile: %.0f ms this thread, %.0f ms the "
+                        "process); %d times over %.0f ms in the last %.0f s", 1e3 * worst, 1e3 * thread,
+                        1e3 * process, count, 1e3 * threshold, now - reported)
             worst, count, reported = 0.0, 0, now
 
 
