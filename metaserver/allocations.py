@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from rocksdict import WriteBatch
 
-from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
@@ -85,14 +85,23 @@ class Allocations:
         if parent and len(parent) != KEY_BYTES:
             raise InvalidArgument(f"parent must be a {KEY_BYTES}-byte block key; got {len(parent)} bytes")
         layout = layout_of(layout_msg)
+        if layout.layers > self.cfg.max_layers or layout.payload_bytes > self.cfg.max_block_bytes:
+            raise InvalidArgument(f"block layout of {layout.layers} layers and {layout.payload_bytes} bytes; at most "
+                                  f"{self.cfg.max_layers} layers and {self.cfg.max_block_bytes} bytes "
+                                  f"(max_layers, max_block_bytes)")
         self.members.refresh_liveness()
         spans = layout.chunks(self.cfg.chunk_size)
         # an expired block not removed yet is written again (commit replaces it)
         present = self.blocks.live_rows([namespace_digest + k for k in keys])
         new = sum(p is None for p in present)
+        incoming = new * footprint(spans)
+        room = int(self.cfg.evict_high * self.members.capacity_bytes())
+        if incoming > room:  # refused before anything is evicted for it
+            raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; the cache "
+                                    f"holds {room} bytes below its high watermark")
         yield
         # room first: placement then counts the evicted chunks' space as free
-        yield from make_room(new * footprint(spans), {namespace_digest + k for k in (parent, *keys) if k})
+        yield from make_room(incoming, {namespace_digest + k for k in (parent, *keys) if k})
         placer = None
         alloc_id = os.urandom(16)
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
@@ -126,7 +135,7 @@ class Allocations:
         return reply
 
     def commit_steps(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
-                     make_room: Callable[[int, set[bytes]], Generator]):
+                     ) -> Generator[None, None, tuple[int, int, list]]:
         """Commits blocks of an allocation; returns (committed, already present, chunks
         that became garbage: those of blocks someone else committed first, and of
         blocks whose parent expired meanwhile, which nothing could reach). A
@@ -170,12 +179,10 @@ class Allocations:
                       for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
             rows[full] = self.blocks.new_row(full, alloc.record.layout, stored, parents[block.key], ttl_class, now)
         yield
-        # this allocation still counts as incoming; room was made for it when it was placed,
-        # so this evicts only if capacity shrank or other writers got in first (nor may it
-        # take the blocks this commit writes or replaces, or their parents)
+        # from here to the write, one step: what is decided is what is written. Room was
+        # made when the allocation was placed (it counts as incoming until now); should
+        # capacity have shrunk since, the background pass evicts, not this commit
         fulls = [namespace_digest + b.key for b in blocks]
-        yield from make_room(0, {namespace_digest + p for p in parents.values() if p} | set(fulls))
-        # from here to the write, one step: what is decided is what is written
         if self.open.get(req.allocation_id) is not alloc:
             raise NotFound("allocation not found: it expired or was committed meanwhile; allocate again")
         stored = self.blocks.rows(fulls)

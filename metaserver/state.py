@@ -142,11 +142,11 @@ class MetaState:
                                                                      self.make_room_steps), self._write_turns)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
-        return run_steps(self.allocations.commit_steps(namespace_digest, req, self.make_room_steps))
+        return run_steps(self.allocations.commit_steps(namespace_digest, req))
 
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
-        return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.make_room_steps),
+        return await run_steps_async(self.allocations.commit_steps(namespace_digest, req),
                                      self._write_turns)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
@@ -172,8 +172,8 @@ class MetaState:
 
     def make_room_steps(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE):
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
-        high watermark: leaves, lowest rank first, until they fit under it (at most
-        `limit` blocks, EVICT_SLICE a step); the background pass (`evict_slice`) goes on
+        high watermark: leaves, lowest rank first, `incoming` bytes' worth (what the
+        write brings, no more: at most `limit` blocks, EVICT_SLICE a step); the background pass (`evict_slice`) goes on
         down to the low watermark. Blocks in `pinned`, the parents of open allocations'
         blocks, and all their ancestors stay. A generator (yields between slices);
         returns blocks evicted. Their chunks go to the delete queue."""
@@ -189,7 +189,8 @@ class MetaState:
             # chunks must find room in the space this frees
             freed = before - self.blocks.cache_bytes
             step = min(EVICT_SLICE, limit - evicted)
-            n = self._evict(incoming, pinned, step, self.cfg.evict_high, at_least=incoming - freed)
+            n = self._evict(incoming, pinned, step, self.cfg.evict_high, at_least=incoming - freed,
+                            at_most=incoming - freed)
             evicted += n
             if n < step:
                 break
@@ -201,12 +202,16 @@ class MetaState:
                 (incoming + self.allocations.incoming_bytes()) / MiB)
         return evicted
 
-    def _evict(self, incoming: int, pinned: set[bytes], limit: int, watermark: float, at_least: int = 0) -> int:
+    def _evict(self, incoming: int, pinned: set[bytes], limit: int, watermark: float, at_least: int = 0,
+               at_most: int | None = None) -> int:
         """Evicts until cached blocks, open allocations and `incoming` fit under
-        `watermark` of capacity, and at least `at_least` bytes; at most `limit` blocks."""
+        `watermark` of capacity, and at least `at_least` bytes, at most `at_most`
+        bytes (a write evicts no more than it brings) and `limit` blocks."""
         capacity = self.capacity_bytes()
         need = max(at_least, self.blocks.cache_bytes + incoming + self.allocations.incoming_bytes()
                    - int(watermark * capacity))
+        if at_most is not None:
+            need = min(need, at_most)
         if not capacity or need <= 0:
             return 0
         n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit)

@@ -271,3 +271,37 @@ def test_a_block_written_again_under_another_parent_leaves_its_old_parent(make_s
     req.blocks.add(key=child, chunk_checksums=[7])
     assert state.commit(NS.digest, req)[0] == 1
     assert_consistent(state)  # one child entry, under p2; p1 a leaf again
+
+
+def test_an_oversized_or_unplaceable_allocation_is_refused_before_anything_is_evicted(make_state):
+    from kvfs.errors import InvalidArgument, ResourceExhausted
+
+    clock = Clock()
+    state = make_state(clock, max_layers=64, max_block_bytes=4 << 20)
+    for i in range(10):  # 44 blocks: past the high watermark, so any write would evict
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+    before = dict(rows(state))
+    evicted = state.evicted_blocks
+    huge = [
+        meta_pb2.BlockLayout(layers=65, block_tokens=1, kv_dim=1, dtype="bfloat16"),  # too many layers
+        meta_pb2.BlockLayout(layers=1, block_tokens=4096, kv_dim=1024, dtype="bfloat16"),  # an 8 MiB block
+    ]
+    for layout in huge:
+        with pytest.raises(InvalidArgument, match="max_layers, max_block_bytes"):
+            state.allocate(NS.digest, block_keys(NS, range(8), 4)[:1], layout)
+    # within the bounds, but 60 blocks of 64 KiB slots cannot fit a 48-block cache at all
+    with pytest.raises(ResourceExhausted, match="below its high watermark"):
+        state.allocate(NS.digest, block_keys(NS, range(500, 740), 4), LAYOUT_MSG)
+    assert state.evicted_blocks == evicted and dict(rows(state)).keys() == before.keys()
+    assert not state.allocations.open
+    # a server comes back smaller: the cache (40 blocks) is over the new high mark (36 blocks), yet a
+    # write that fits evicts what it brings (one block), no more; the background pass does the rest
+    state.register(meta_pb2.RegisterRequest(server_id="cs-2", address="127.0.0.1:9002", failure_domain="host-2",
+                                            capacity_bytes=1 << 20))
+    assert state.capacity_bytes() == 40 * BLOCK and state.cache_bytes == 40 * BLOCK
+    clock.now = 2000
+    evicted = state.evicted_blocks
+    write(state, block_keys(NS, range(900, 904), 4))
+    assert state.evicted_blocks - evicted == 1
+    assert_consistent(state)

@@ -274,8 +274,8 @@ def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(mak
         for b in alloc.blocks:
             req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
         reqs.append((alloc, req))
-    first = state.allocations.commit_steps(NS.digest, reqs[0][1], state.make_room_steps)
-    second = state.allocations.commit_steps(NS.digest, reqs[1][1], state.make_room_steps)
+    first = state.allocations.commit_steps(NS.digest, reqs[0][1])
+    second = state.allocations.commit_steps(NS.digest, reqs[1][1])
     results = {}
     pending = {"first": first, "second": second}
     while pending:  # alternate one piece of each, as two RPCs would on the event loop
