@@ -45,13 +45,17 @@ def make_llm(model: str, meta: str, tenant: str):
                    kv_connector_extra_config={"meta": meta, "tenant": tenant}))
 
 
-def first_token(llm, prompt: list[int]):
-    """(token, {token: logprob} of the top 5, num_cached_tokens, seconds) of a one-token generation."""
+def first_token(llm, prompt: list[int], salt: str | None = None):
+    """(token, {token: logprob} of the top 5, num_cached_tokens, seconds) of a one-token
+    generation; `salt`: the request's cache_salt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+    request = TokensPrompt(prompt_token_ids=prompt)
+    if salt is not None:
+        request["cache_salt"] = salt
+    out = llm.generate([request],
                        SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)[0]
     seconds = time.perf_counter() - t0
     logprobs = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}

@@ -162,9 +162,11 @@ class Client:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"metaserver {self.metaserver}") from None
 
-    async def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of `token_ids` (whole blocks, exact from token 0)."""
-        keys = block_keys(namespace, token_ids, self.block_tokens)
+    async def lookup(self, namespace: Namespace, token_ids: Sequence[int], *,
+                     salt: str | bytes | None = None) -> PrefixMatch:
+        """The longest cached prefix of `token_ids` (whole blocks, exact from token 0)
+        written under the same `salt` (kvfs.keys.Namespace.root_key)."""
+        keys = block_keys(namespace, token_ids, self.block_tokens, salt)
         t0 = time.perf_counter()
         reply = await self._meta_call(self._meta.MatchPrefix,
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
@@ -188,8 +190,10 @@ class Client:
                        (self.latency, self.hedges) if self.hedge else None)
 
     async def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,
-                    ttl_class: str = "", *, first_block: int = 0, buffer_tokens: int | None = None) -> WriteResult:
-        """Writes the full blocks of `token_ids` from `first_block` on.
+                    ttl_class: str = "", *, first_block: int = 0, buffer_tokens: int | None = None,
+                    salt: str | bytes | None = None) -> WriteResult:
+        """Writes the full blocks of `token_ids` from `first_block` on, under `salt`
+        (only lookups with the same salt find them).
 
         `payload` is `[layer][buffer_tokens][kv_dim]` holding at least every full
         block of the prompt. Each chunk goes to every replica; the blocks are
@@ -200,7 +204,7 @@ class Client:
         if layout.block_tokens != self.block_tokens:
             raise InvalidArgument(f"layout has {layout.block_tokens}-token blocks, client {self.block_tokens}")
         t0 = time.perf_counter()
-        keys = block_keys(namespace, token_ids, self.block_tokens)
+        keys = block_keys(namespace, token_ids, self.block_tokens, salt)
         tokens = buffer_tokens or len(keys) * self.block_tokens
         src = byte_view(payload, writable=False)
         if len(src) < layout.buffer_bytes(tokens) or tokens < len(keys) * self.block_tokens:
@@ -275,8 +279,8 @@ class SyncClient:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixMatch:
-        return self._run(self._client.lookup(namespace, token_ids))
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int], **kw) -> PrefixMatch:
+        return self._run(self._client.lookup(namespace, token_ids, **kw))
 
     def read(self, match: PrefixMatch, out, **kw):
         async def go():

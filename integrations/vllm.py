@@ -52,6 +52,7 @@ class LoadSpec:
     kvfs_blocks: int
     first: int
     block_ids: list[int]
+    salt: str | None = None  # the request's cache_salt
 
 
 @dataclass
@@ -63,6 +64,7 @@ class SaveSpec:
     token_ids: list[int]
     first_block: int
     block_ids: list[int]
+    salt: str | None = None  # the request's cache_salt
 
 
 @dataclass
@@ -79,6 +81,7 @@ class _Tracked:
     token_ids: list[int]
     block_ids: list[int]
     saved: int
+    salt: str | None
 
 
 @dataclass(slots=True)
@@ -154,6 +157,7 @@ class KvfsConnector(KVConnectorBase_V1):
         self._hits: dict[str, tuple[int, int]] = {}  # req id -> (kvfs blocks matched, local tokens)
         self._pending_loads: dict[str, LoadSpec] = {}
         self._tracked: dict[str, _Tracked] = {}
+        self._salts: dict[str, str | None] = {}  # req id -> its cache_salt
         # worker side
         self._loop: _Loop | None = None
         self._client: Client | None = None
@@ -194,17 +198,19 @@ class KvfsConnector(KVConnectorBase_V1):
         tokens = request.prompt_token_ids or []
         rid = request.request_id
         # one MatchPrefix per request: vLLM may ask again (e.g. while the batch is full)
-        matched = self._hits[rid][0] if rid in self._hits else self._lookup(rid, tokens)
+        # vLLM's per-request salt isolates users within one tenant: kvfs chains it into the keys
+        self._salts[rid] = getattr(request, "cache_salt", None)
+        matched = self._hits[rid][0] if rid in self._hits else self._lookup(rid, tokens, self._salts[rid])
         self._hits[rid] = (matched, num_computed_tokens)
         limit = (len(tokens) - 1) // self.vblock * self.vblock  # leave a token to compute
         return max(0, min(matched * self.block_tokens, limit) - num_computed_tokens), False
 
-    def _lookup(self, req_id: str, tokens: list[int]) -> int:
+    def _lookup(self, req_id: str, tokens: list[int], salt: str | None) -> int:
         if len(tokens) <= self.block_tokens:  # nothing loadable: a token must be left to compute
             return 0
         t0 = time.perf_counter()
         try:
-            matched = self._sync.lookup(self.namespace, tokens).matched
+            matched = self._sync.lookup(self.namespace, tokens, salt=salt).matched
         except Exception as err:
             log.warning("kvfs: lookup failed, computing request %s in full: %s", req_id, err)
             return 0
@@ -221,7 +227,8 @@ class KvfsConnector(KVConnectorBase_V1):
         ids = blocks.get_block_ids()[0]
         self._pending_loads[request.request_id] = LoadSpec(
             request.request_id, list(request.prompt_token_ids[: kvfs_blocks * self.block_tokens]), kvfs_blocks,
-            local // self.vblock, list(ids[local // self.vblock : end // self.vblock]))
+            local // self.vblock, list(ids[local // self.vblock : end // self.vblock]),
+            self._salts.get(request.request_id))
 
     def build_connector_meta(self, scheduler_output) -> KvfsMetadata:
         meta = KvfsMetadata(loads=list(self._pending_loads.values()))
@@ -229,7 +236,8 @@ class KvfsConnector(KVConnectorBase_V1):
         num_scheduled = scheduler_output.num_scheduled_tokens
         for r in scheduler_output.scheduled_new_reqs:
             matched = self._hits.get(r.req_id, (0, 0))[0]
-            self._tracked[r.req_id] = _Tracked(list(r.prompt_token_ids or []), list(r.block_ids[0]), matched)
+            self._tracked[r.req_id] = _Tracked(list(r.prompt_token_ids or []), list(r.block_ids[0]), matched,
+                                               self._salts.get(r.req_id))
             self._queue_save(r.req_id, r.num_computed_tokens + num_scheduled[r.req_id], meta.saves)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -248,11 +256,11 @@ class KvfsConnector(KVConnectorBase_V1):
         full = min(len(t.token_ids), computed) // self.block_tokens
         if full > t.saved:
             saves.append(SaveSpec(req_id, t.token_ids[: full * self.block_tokens], t.saved,
-                                  t.block_ids[: full * self.per]))
+                                  t.block_ids[: full * self.per], t.salt))
             t.saved = full
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        for d in (self._hits, self._pending_loads, self._tracked):
+        for d in (self._hits, self._pending_loads, self._tracked, self._salts):
             d.pop(request.request_id, None)
         return False, None  # saves are snapshots: the blocks can go at once
 
@@ -276,7 +284,7 @@ class KvfsConnector(KVConnectorBase_V1):
         for ld in loads:
             ld.started = time.perf_counter()
             try:
-                match = await self._client.lookup(self.namespace, ld.spec.token_ids)
+                match = await self._client.lookup(self.namespace, ld.spec.token_ids, salt=ld.spec.salt)
                 blocks = min(match.matched, ld.spec.kvfs_blocks)
                 if blocks < ld.spec.kvfs_blocks:
                     log.warning("kvfs: request %s: %d of %d promised blocks are still cached; the rest is "
@@ -347,7 +355,7 @@ class KvfsConnector(KVConnectorBase_V1):
     async def _write(self, spec: SaveSpec, buf: torch.Tensor) -> None:
         try:
             res = await self._client.write(self.namespace, spec.token_ids, buf, self.layout, self.ttl_class,
-                                           first_block=spec.first_block)
+                                           first_block=spec.first_block, salt=spec.salt)
             self.stats["saved_blocks"] += res.committed
             log.info("kvfs: request %s: saved %d blocks (%d already stored, %d bytes) in %.1f ms", spec.req_id,
                      res.committed, res.already_present, res.bytes_written, res.seconds * 1e3)

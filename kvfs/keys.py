@@ -36,13 +36,21 @@ class Namespace:
             h.update(raw)
         object.__setattr__(self, "digest", h.digest())
 
-    def root_key(self) -> bytes:
-        """key_{-1}: the chain's starting point in this namespace."""
-        return hashlib.blake2b(b"kvfs-root", key=self.digest, digest_size=KEY_BYTES).digest()
+    def root_key(self, salt: str | bytes | None = None) -> bytes:
+        """key_{-1}: the chain's starting point in this namespace, under `salt`.
+
+        A salt (vLLM's per-request `cache_salt`) isolates users who share a tenant:
+        the same prompt under another salt has keys of its own, so it can neither
+        hit nor probe the other's blocks. No salt and an empty one are the same."""
+        raw = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+        tag = b"kvfs-root" + (b"/salt/" + len(raw).to_bytes(4, "little") + raw if raw else b"")
+        return hashlib.blake2b(tag, key=self.digest, digest_size=KEY_BYTES).digest()
 
 
-def block_keys(namespace: Namespace, token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
-    """Keys of every full block of `token_ids` (a trailing partial block has none)."""
+def block_keys(namespace: Namespace, token_ids: Sequence[int], block_tokens: int,
+               salt: str | bytes | None = None) -> list[bytes]:
+    """Keys of every full block of `token_ids` (a trailing partial block has none),
+    chained from the namespace's root under `salt` (Namespace.root_key)."""
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
     try:
@@ -54,7 +62,7 @@ def block_keys(namespace: Namespace, token_ids: Sequence[int], block_tokens: int
     raw = tokens.tobytes()
     step = block_tokens * 4
     keys: list[bytes] = []
-    prev = namespace.root_key()
+    prev = namespace.root_key(salt)
     for start in range(0, len(raw) - step + 1, step):
         prev = hashlib.blake2b(prev + raw[start : start + step], key=namespace.digest,
                                digest_size=KEY_BYTES).digest()

@@ -69,6 +69,19 @@ async def test_partial_prefix_matches_are_exact_from_token_zero(local_cluster):
         assert out == layer_major(SMALL, payloads)
 
 
+async def test_a_salted_prompt_is_found_only_under_its_salt(local_cluster):
+    cluster = local_cluster()
+    tokens = tokens_for(4, seed=5)
+    payload = layer_major(SMALL, [os.urandom(SMALL.payload_bytes) for _ in range(4)])
+    async with Client(cluster.meta_address) as client:
+        assert (await client.write(NS, tokens, payload, SMALL, salt="alice")).committed == 4
+        assert [(await client.lookup(NS, tokens, salt=s)).matched for s in ("alice", "bob", None)] == [4, 0, 0]
+        out, _, _ = await restore_all(client, await client.lookup(NS, tokens, salt="alice"), SMALL)
+        assert out == payload
+        # the unsalted prompt is another prompt: written beside alice's, not deduplicated with it
+        assert (await client.write(NS, tokens, payload, SMALL)).committed == 4
+
+
 async def test_concurrent_writers_of_one_prefix_one_wins_whole(local_cluster):
     cluster = local_cluster()
     tokens = tokens_for(4, seed=3)

@@ -85,3 +85,15 @@ def test_scatter_puts_every_byte_in_its_layer_major_place():
 def test_bad_layouts_are_refused(kw):
     with pytest.raises(ValueError):
         BlockLayout(**kw)
+
+
+def test_a_salt_gives_a_prompt_keys_of_its_own_and_no_salt_is_the_empty_one():
+    ns = Namespace("t", "m")
+    tokens = list(range(64))
+    plain = block_keys(ns, tokens, 16)
+    assert block_keys(ns, tokens, 16, None) == block_keys(ns, tokens, 16, "") == block_keys(ns, tokens, 16, b"") == plain
+    alice, bob = block_keys(ns, tokens, 16, "alice"), block_keys(ns, tokens, 16, "bob")
+    assert block_keys(ns, tokens, 16, b"alice") == alice  # a str salt is its UTF-8 bytes
+    # every key differs, not only the first: a salted prompt shares no block with another
+    assert not set(alice) & set(plain) and not set(alice) & set(bob)
+    assert block_keys(ns, tokens[:32], 16, "alice") == alice[:2]  # still a chain: prefixes match

@@ -52,8 +52,8 @@ def make_llm(model: str, meta: str):
     return llm
 
 
-def first_token(llm, prompt=PROMPT):
-    return bench.first_token(llm, prompt)
+def first_token(llm, prompt=PROMPT, salt=None):
+    return bench.first_token(llm, prompt, salt)
 
 
 def worker_probe():
@@ -93,10 +93,10 @@ def worker_probe():
 STATS, PAGED_ROWS, FIND_ROWS = worker_probe()
 
 
-def stored(meta: str, model: str) -> tuple[int, bytes]:
+def stored(meta: str, model: str, salt: str | None = None) -> tuple[int, bytes]:
     """kvfs's own view: matched blocks of PROMPT and their payload bytes, [layer][tokens][576]."""
     with SyncClient(meta) as client:
-        match = client.lookup(Namespace(TENANT, model), PROMPT)
+        match = client.lookup(Namespace(TENANT, model), PROMPT, salt=salt)
         if not match.matched:
             return 0, b""
         out = bytearray(match.layout.buffer_bytes(match.tokens))
@@ -174,6 +174,32 @@ def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
     assert lp1.keys() & lp3.keys() and diff <= LOGPROB_TOL
     close(llm)
     vllm.envs.disable_envs_cache()
+
+
+def test_requests_with_another_cache_salt_neither_hit_nor_see_the_saved_prefix(local_cluster, tiny_model,
+                                                                               monkeypatch):
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm.envs.disable_envs_cache()
+    cluster = local_cluster(chunkservers=3, replicas=2)
+    meta = cluster.meta_address
+    llm = make_llm(tiny_model, meta)
+    assert first_token(llm, salt="alice")[2] == 0
+    wait_until(lambda: stored(meta, tiny_model, "alice")[0] == 3, timeout=30, what="alice's 3 blocks saved")
+    assert stored(meta, tiny_model)[0] == 0 and stored(meta, tiny_model, "bob")[0] == 0
+    close(llm)
+    llm = make_llm(tiny_model, meta)  # a fresh engine: only kvfs can supply a prefix
+    assert first_token(llm, salt="bob")[2] == 0  # the same prompt from another user: a miss
+    assert llm.collective_rpc(STATS)[0]["loaded_tokens"] == 0
+    close(llm)
+    llm = make_llm(tiny_model, meta)
+    cached = first_token(llm, salt="alice")[2]
+    loaded = llm.collective_rpc(STATS)[0]["loaded_tokens"]
+    close(llm)
+    vllm.envs.disable_envs_cache()
+    print(f"bob: a miss; alice in a fresh engine: {cached} tokens cached, {loaded} loaded from kvfs")
+    assert cached == MATCHED and loaded == MATCHED  # alice's own prefix, from kvfs
 
 
 def test_block_size_rule_and_missing_metaserver_are_refused():
