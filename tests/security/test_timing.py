@@ -1,0 +1,61 @@
+"""The lookup timing oracle (vLLM advisory GHSA / CVE-2025-46570 style): can a
+tenant tell, by how long MatchPrefix takes, whether another tenant has a prompt
+cached? Tenant B times lookups of prompts tenant A cached, interleaved with
+lookups of prompts nobody cached; a two-sample Kolmogorov-Smirnov test must not
+tell them apart. As a control that the probe can see a difference at all, A's
+own hits against the same misses must be told apart."""
+
+import os
+import random
+import time
+
+from scipy.stats import ks_2samp
+
+from kvfs.client import Client
+from kvfs.keys import Namespace
+from kvfs.layout import BlockLayout
+
+from helpers import layer_major, tokens_for
+
+A, B = Namespace("tenant-a", "m"), Namespace("tenant-b", "m")
+SMALL = BlockLayout(layers=6, block_tokens=64, kv_dim=64, dtype="bfloat16")
+PROMPTS = 8
+BLOCKS = 64  # per prompt: a hit's reply is large enough for the control to see
+PROBES = 300  # per kind
+
+
+async def timed(client, ns, tokens) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    match = await client.lookup(ns, tokens)
+    return time.perf_counter() - t0, match.matched
+
+
+async def test_another_tenants_cached_prefix_times_like_an_uncached_one(local_cluster):
+    cluster = local_cluster()
+    prompts = [tokens_for(BLOCKS, seed=100 + i) for i in range(PROMPTS)]
+    payload = layer_major(SMALL, [os.urandom(SMALL.payload_bytes) for _ in range(BLOCKS)])
+    async with Client(cluster.meta_address) as client:
+        for p in prompts:
+            assert (await client.write(A, p, payload, SMALL)).committed == BLOCKS
+        for p in prompts:  # warm both paths before timing
+            await client.lookup(A, p), await client.lookup(B, p)
+        cached_for_a, uncached, own_hits = [], [], []
+        order = random.Random(7)
+        for i in range(PROBES):
+            # interleaved in a random order each round, so neither drift in the machine's load nor
+            # what the previous call left behind (a large reply, say) favours one kind
+            fresh = tokens_for(BLOCKS, seed=10_000 + i)
+            kinds = [(cached_for_a, B, prompts[i % PROMPTS], 0), (uncached, B, fresh, 0),
+                     (own_hits, A, prompts[i % PROMPTS], BLOCKS)]
+            order.shuffle(kinds)
+            for sample, ns, tokens, expect in kinds:
+                seconds, matched = await timed(client, ns, tokens)
+                assert matched == expect
+                sample.append(seconds)
+    probe = ks_2samp(cached_for_a, uncached)
+    control = ks_2samp(own_hits, uncached)
+    ms = lambda xs: f"{1e3 * sorted(xs)[len(xs) // 2]:.3f} ms"  # noqa: E731
+    print(f"medians: B on A's cached prompts {ms(cached_for_a)}, B on uncached {ms(uncached)}, A's own hits "
+          f"{ms(own_hits)}; KS p = {probe.pvalue:.3f} (B), {control.pvalue:.2g} (control)")
+    assert control.pvalue < 1e-3, "the probe cannot even tell a hit from a miss: it shows nothing"
+    assert probe.pvalue > 1e-3, "tenant B can tell by timing which prompts tenant A has cached"
