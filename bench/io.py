@@ -235,12 +235,12 @@ async def transport_pass(meta: str, transport: str, prompt: list[int], payload: 
 
 
 async def run_io(tokens: int, layers: int, transports: list[str], caches: list[str], rounds: int,
-                 concurrency: int, chunkservers: int, log=print) -> dict:
+                 concurrency: int, chunkservers: int, log=print, insecure: bool = False) -> dict:
     layout = BlockLayout.mla(layers=layers)
     rng = random.Random(0)
     prompt = [rng.randrange(100_000) for _ in range(tokens - tokens % layout.block_tokens)]
     payload = bytearray(os.urandom(layout.buffer_bytes(len(prompt))))
-    report: dict = {"block_bytes": layout.payload_bytes, "blocks": len(prompt) // layout.block_tokens,
+    report: dict = {"security": "insecure" if insecure else "mutual TLS", "block_bytes": layout.payload_bytes, "blocks": len(prompt) // layout.block_tokens,
                     "prefix_bytes": len(payload), "modes": {}}
     report["socket_gbps"] = socket_copy(len(payload))
     log(f"baseline: loopback socket copy {report['socket_gbps']:.2f} GB/s")
@@ -263,10 +263,10 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
         for cache in caches:
             mode = "buffered" if cache == "warm" else "direct"
             cluster = LocalCluster(root / cache, chunkservers=chunkservers, replicas=2, capacity="16GiB",
-                                   chunk_extra=["--io-mode", mode])
+                                   chunk_extra=["--io-mode", mode], insecure=insecure)
             cluster.start()
             try:
-                async with Client(cluster.meta_address) as client:
+                async with Client(cluster.meta_address, credentials=cluster.worker, insecure=insecure) as client:
                     t0 = time.perf_counter()
                     written = await client.write(NS, prompt, payload, layout, "chat")
                     write_s = time.perf_counter() - t0
@@ -284,8 +284,9 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                     f"to disks, 2 replicas) vs raw write {raw_w:.2f} GB/s; raw io_uring read over the slot files "
                     f"{raw:.2f} GB/s")
                 for t in transports:
-                    res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
-                                               concurrency, files if cache == "cold" else None)
+                    with cluster.worker_env():
+                        res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
+                                                   concurrency, files if cache == "cold" else None)
                     entry["transports"].append(res)
                     log(f"{cache} {t}: restore {res['restore_gbps_median']:.2f} GB/s; {concurrency} concurrent "
                         f"single-block restores {res['concurrent_gbps']:.2f} GB/s, p50 {res['block_p50_ms']:.1f} ms, "

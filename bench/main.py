@@ -28,9 +28,11 @@ def _io(args) -> int:
     from .io import run_io
 
     console.print(f"kvfs-bench io: a {args.tokens}-token MLA prefix ({args.layers} layers) on {args.chunkservers} "
-                  f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}")
+                  f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}; "
+                  f"{'--insecure (plaintext gRPC)' if args.insecure else 'mutual TLS on gRPC'}")
     report = asyncio.run(run_io(args.tokens, args.layers, args.transport.split(","), args.cache.split(","),
-                                args.rounds, args.concurrency, args.chunkservers, log=console.print))
+                                args.rounds, args.concurrency, args.chunkservers, log=console.print,
+                                insecure=args.insecure))
     table = Table(title=f"restores of {report['prefix_bytes'] / 1e9:.2f} GB in {report['blocks']} blocks of "
                         f"{report['block_bytes']} bytes (medians; ratios from this run)")
     for col in ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis",
@@ -325,7 +327,9 @@ def _cluster(args):
     with _scratch() as root:
         cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
         try:
-            yield cluster.start().meta_address
+            cluster.start()
+            with cluster.worker_env():  # the engines' clients connect as the cluster's worker
+                yield cluster.meta_address
         finally:
             cluster.stop()
 
@@ -442,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     io.add_argument("--rounds", type=int, default=3)
     io.add_argument("--concurrency", type=int, default=16)
     io.add_argument("--chunkservers", type=int, default=3)
+    io.add_argument("--insecure", action="store_true",
+                    help="the cluster without TLS (compare with a run without it: TLS's cost on restores)")
     prefix = sub.add_parser("prefix", help="restore and write-back of one long MLA prefix on a local cluster, "
                                            "beside the raw disk reader; MatchPrefix latency")
     prefix.add_argument("--tokens", type=int, default=32768)
