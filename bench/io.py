@@ -240,7 +240,8 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
     rng = random.Random(0)
     prompt = [rng.randrange(100_000) for _ in range(tokens - tokens % layout.block_tokens)]
     payload = bytearray(os.urandom(layout.buffer_bytes(len(prompt))))
-    report: dict = {"security": "insecure" if insecure else "mutual TLS", "block_bytes": layout.payload_bytes, "blocks": len(prompt) // layout.block_tokens,
+    report: dict = {"security": "insecure" if insecure else "mutual TLS", "block_bytes": layout.payload_bytes,
+                    "blocks": len(prompt) // layout.block_tokens,
                     "prefix_bytes": len(payload), "modes": {}}
     report["socket_gbps"] = socket_copy(len(payload))
     log(f"baseline: loopback socket copy {report['socket_gbps']:.2f} GB/s")

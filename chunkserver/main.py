@@ -8,8 +8,8 @@ import sys
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.proto import chunk_pb2_grpc
 from kvfs import tls
+from kvfs.proto import chunk_pb2_grpc
 from kvfs.serving import bound_address, credentials, grpc_server, run_server, until_signalled, write_ready_file
 
 from .config import ChunkserverConfig

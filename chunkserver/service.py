@@ -95,8 +95,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
             return chunk_pb2.CopyChunkReply(created=False, bytes=0)
         channel = self._peers.get(request.source)
         if channel is None:
-            channel = self._peers[request.source] = tls.aio_channel(request.source, self.creds,
-                                                                          CHANNEL_OPTIONS)
+            # the source must present a server certificate for the address it is named by
+            channel = self._peers[request.source] = tls.aio_channel(request.source, self.creds, CHANNEL_OPTIONS)
         stub = chunk_pb2_grpc.ChunkServiceStub(channel)
         try:
             (res,) = [r async for r in stub.ReadChunks(chunk_pb2.ReadChunksRequest(
