@@ -102,7 +102,10 @@ def test_trace_bench_replays_a_mooncake_format_trace(tmp_path):
         {"timestamp": 40, "input_length": 900, "output_length": 1, "hash_ids": [9]},
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    report, stdout = run(["trace", str(trace), "--limit", "4", "--speed", "1000", "--concurrency", "1",
+    # --speed 0.02: the trace's 10 ms gaps become 500 ms, room for a write-back (allocate, write both
+    # replicas durably, commit: tens of ms here, a few more over fresh TLS connections) to land
+    # before the next request looks its blocks up; back to back, the assertions below were a race
+    report, stdout = run(["trace", str(trace), "--limit", "4", "--speed", "0.02", "--concurrency", "1",
                           "--chunkservers", "2", "--policy", "adaptive,always-recompute"], tmp_path)
     assert report["config"]["requests"] == 4
     adaptive, recompute = report["results"]
