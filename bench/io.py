@@ -234,8 +234,53 @@ async def transport_pass(meta: str, transport: str, prompt: list[int], payload: 
                 "block_p99_ms": percentile(lat, 0.99) * 1e3}
 
 
+async def tls_cost(secure: LocalCluster, plain: LocalCluster, transport: str, prompt: list[int], payload: bytearray,
+                   layout: BlockLayout, rounds: int, cold: bool) -> dict:
+    """Whole-prefix restores alternating between a mutual-TLS cluster and an
+    --insecure one holding the same prefix, so both see the same load; medians."""
+    pool = BufferPool(arena_bytes=len(payload) + layout.payload_bytes)
+    out = pool.get(len(payload))
+    sides = {"tls": (secure, Client(secure.meta_address, transport=transport, credentials=secure.worker)),
+             "insecure": (plain, Client(plain.meta_address, transport=transport, insecure=True))}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for r in range(rounds + 1):  # the first round opens connections: not counted
+            for name, (cluster, client) in sides.items():
+                if cold:
+                    drop_cache(sorted(cluster.root.glob("cs-*/slots/*/*.slots")))
+                t0 = time.perf_counter()
+                stats = await client.read(await client.lookup(NS, prompt), out).wait()
+                if r:
+                    rates[name].append(stats.bytes / (time.perf_counter() - t0) / 1e9)
+                if bytes(byte_view(out)) != bytes(payload):
+                    raise RuntimeError(f"{transport} ({name}): restored bytes differ from what was written")
+    finally:
+        for _, client in sides.values():
+            await client.close()
+    tls, insecure = statistics.median(rates["tls"]), statistics.median(rates["insecure"])
+    return {"transport": transport, "tls_gbps": tls, "insecure_gbps": insecure, "tls_over_insecure": tls / insecure}
+
+
+async def _tls_costs(root: pathlib.Path, mode: str, chunkservers: int, transports: list[str], prompt, payload,
+                     layout: BlockLayout, rounds: int, cold: bool) -> list[dict]:
+    """tls_cost for each transport, on two fresh clusters (TLS and --insecure) holding the prefix."""
+    clusters = [LocalCluster(root / name, chunkservers=chunkservers, replicas=2, capacity="16GiB",
+                             chunk_extra=["--io-mode", mode], insecure=name == "insecure")
+                for name in ("tls", "insecure")]
+    try:
+        for cluster in clusters:
+            cluster.start()
+            async with Client(cluster.meta_address, credentials=cluster.worker, insecure=cluster.ca is None) as c:
+                await c.write(NS, prompt, payload, layout, "chat")
+        return [await tls_cost(*clusters, t, prompt, payload, layout, rounds, cold) for t in transports]
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+
+
 async def run_io(tokens: int, layers: int, transports: list[str], caches: list[str], rounds: int,
-                 concurrency: int, chunkservers: int, log=print, insecure: bool = False) -> dict:
+                 concurrency: int, chunkservers: int, log=print, insecure: bool = False,
+                 vs_insecure: bool = False) -> dict:
     layout = BlockLayout.mla(layers=layers)
     rng = random.Random(0)
     prompt = [rng.randrange(100_000) for _ in range(tokens - tokens % layout.block_tokens)]
@@ -295,6 +340,12 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                 report["modes"][cache] = entry
             finally:
                 cluster.stop()
+            if vs_insecure and not insecure:
+                entry["tls_cost"] = await _tls_costs(root / cache, mode, chunkservers, transports, prompt, payload,
+                                                     layout, rounds, cache == "cold")
+                for c in entry["tls_cost"]:
+                    log(f"{cache} {c['transport']}: alternating restores, mutual TLS {c['tls_gbps']:.2f} GB/s, "
+                        f"--insecure {c['insecure_gbps']:.2f} GB/s: {c['tls_over_insecure']:.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for entry in report["modes"].values():

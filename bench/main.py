@@ -32,17 +32,21 @@ def _io(args) -> int:
                   f"{'--insecure (plaintext gRPC)' if args.insecure else 'mutual TLS on gRPC'}")
     report = asyncio.run(run_io(args.tokens, args.layers, args.transport.split(","), args.cache.split(","),
                                 args.rounds, args.concurrency, args.chunkservers, log=console.print,
-                                insecure=args.insecure))
+                                insecure=args.insecure, vs_insecure=args.vs_insecure))
     table = Table(title=f"restores of {report['prefix_bytes'] / 1e9:.2f} GB in {report['blocks']} blocks of "
                         f"{report['block_bytes']} bytes (medians; ratios from this run)")
-    for col in ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis",
-                f"x{args.concurrency} GB/s", "block p50 ms", "block p99 ms"):
+    columns = ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis", f"x{args.concurrency} GB/s",
+               "block p50 ms", "block p99 ms") + (("TLS / insecure",) if args.vs_insecure else ())
+    for col in columns:
         table.add_column(col, justify="right")
+    cost = {(cache, c["transport"]): c["tls_over_insecure"] for cache, e in report["modes"].items()
+            for c in e.get("tls_cost", [])}
     for cache, entry in report["modes"].items():
         for r in entry["transports"]:
             table.add_row(cache, r["transport"], f"{r['restore_gbps_median']:.2f}", f"{r['over_raw']:.2f}",
                           f"{r['over_socket']:.2f}", f"{r['over_redis']:.2f}" if "over_redis" in r else "-",
-                          f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}")
+                          f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}",
+                          *([f"{cost[cache, r['transport']]:.2f}"] if args.vs_insecure else []))
     console.print(table)
     writes = Table(title="the prefix written once through the cluster (2 replicas)")
     for col in ("cache", "write GB/s (payload)", "to disks GB/s", "raw disk write GB/s", "/ raw write"):
@@ -60,7 +64,8 @@ def _io(args) -> int:
     _write_json(args.json, {"bench": "io", **_host(), "config": {
         "tokens": args.tokens, "layers": args.layers, "transports": args.transport.split(","),
         "caches": args.cache.split(","), "rounds": args.rounds, "concurrency": args.concurrency,
-        "chunkservers": args.chunkservers}, "results": report})
+        "chunkservers": args.chunkservers, "insecure": args.insecure, "vs_insecure": args.vs_insecure},
+        "results": report})
     return 0
 
 
@@ -446,8 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     io.add_argument("--rounds", type=int, default=3)
     io.add_argument("--concurrency", type=int, default=16)
     io.add_argument("--chunkservers", type=int, default=3)
-    io.add_argument("--insecure", action="store_true",
-                    help="the cluster without TLS (compare with a run without it: TLS's cost on restores)")
+    io.add_argument("--insecure", action="store_true", help="the cluster without TLS (a trusted lab)")
+    io.add_argument("--vs-insecure", action="store_true",
+                    help="also restore, alternating, from a TLS and an --insecure cluster: the cost of TLS per "
+                         "transport (the last column)")
     prefix = sub.add_parser("prefix", help="restore and write-back of one long MLA prefix on a local cluster, "
                                            "beside the raw disk reader; MatchPrefix latency")
     prefix.add_argument("--tokens", type=int, default=32768)

@@ -36,6 +36,19 @@ def test_io_bench_report_shape(tmp_path):
     assert "/ raw disk" in stdout and "/ raw write" in stdout
 
 
+def test_io_bench_measures_the_cost_of_tls(tmp_path):
+    report, stdout = run(["io", "--tokens", "1024", "--layers", "4", "--rounds", "1", "--concurrency", "2",
+                          "--chunkservers", "2", "--cache", "warm", "--transport", "grpc,tcp", "--vs-insecure"],
+                         tmp_path)
+    assert report["config"]["vs_insecure"] and report["results"]["security"] == "mutual TLS"
+    costs = report["results"]["modes"]["warm"]["tls_cost"]  # restores alternating between the two clusters
+    assert [c["transport"] for c in costs] == ["grpc", "tcp"]
+    for c in costs:
+        assert c["tls_gbps"] > 0 and c["insecure_gbps"] > 0
+        assert abs(c["tls_over_insecure"] - c["tls_gbps"] / c["insecure_gbps"]) < 1e-9
+    assert "TLS / insecure" in stdout
+
+
 def test_prefix_bench_report_shape(tmp_path):
     report, stdout = run(["prefix", "--tokens", "1024", "--rounds", "1", "--lookup-blocks", "40"], tmp_path)
     r = report["results"]
