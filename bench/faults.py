@@ -49,7 +49,7 @@ async def run_faults(root: pathlib.Path, chunkservers: int = 4, gib: float = 1.0
                    for _ in range(n_prompts)]
         digests = []
         pool = BufferPool(arena_bytes=(concurrency + 1) * prompt_bytes)
-        async with Client(cluster.meta_address) as client:
+        async with Client(cluster.meta_address, credentials=cluster.worker) as client:
             t0 = time.perf_counter()
             for i in range(0, n_prompts, 4):
                 jobs = []
@@ -93,7 +93,7 @@ async def run_faults(root: pathlib.Path, chunkservers: int = 4, gib: float = 1.0
             victim.kill()
             log("injected: SIGKILL cs-1")
             while True:
-                st = await asyncio.get_running_loop().run_in_executor(None, meta_status, cluster.meta_address)
+                st = await asyncio.to_thread(meta_status, cluster.meta_address, credentials=cluster.admin)
                 if not any(s.id == victim_id and s.live for s in st.servers):
                     break
                 await asyncio.sleep(0.1)

@@ -234,13 +234,59 @@ async def transport_pass(meta: str, transport: str, prompt: list[int], payload: 
                 "block_p99_ms": percentile(lat, 0.99) * 1e3}
 
 
+async def tls_cost(secure: LocalCluster, plain: LocalCluster, transport: str, prompt: list[int], payload: bytearray,
+                   layout: BlockLayout, rounds: int, cold: bool) -> dict:
+    """Whole-prefix restores alternating between a mutual-TLS cluster and an
+    --insecure one holding the same prefix, so both see the same load; medians."""
+    pool = BufferPool(arena_bytes=len(payload) + layout.payload_bytes)
+    out = pool.get(len(payload))
+    sides = {"tls": (secure, Client(secure.meta_address, transport=transport, credentials=secure.worker)),
+             "insecure": (plain, Client(plain.meta_address, transport=transport, insecure=True))}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for r in range(rounds + 1):  # the first round opens connections: not counted
+            for name, (cluster, client) in sides.items():
+                if cold:
+                    drop_cache(sorted(cluster.root.glob("cs-*/slots/*/*.slots")))
+                t0 = time.perf_counter()
+                stats = await client.read(await client.lookup(NS, prompt), out).wait()
+                if r:
+                    rates[name].append(stats.bytes / (time.perf_counter() - t0) / 1e9)
+                if bytes(byte_view(out)) != bytes(payload):
+                    raise RuntimeError(f"{transport} ({name}): restored bytes differ from what was written")
+    finally:
+        for _, client in sides.values():
+            await client.close()
+    tls, insecure = statistics.median(rates["tls"]), statistics.median(rates["insecure"])
+    return {"transport": transport, "tls_gbps": tls, "insecure_gbps": insecure, "tls_over_insecure": tls / insecure}
+
+
+async def _tls_costs(root: pathlib.Path, mode: str, chunkservers: int, transports: list[str], prompt, payload,
+                     layout: BlockLayout, rounds: int, cold: bool) -> list[dict]:
+    """tls_cost for each transport, on two fresh clusters (TLS and --insecure) holding the prefix."""
+    clusters = [LocalCluster(root / name, chunkservers=chunkservers, replicas=2, capacity="16GiB",
+                             chunk_extra=["--io-mode", mode], insecure=name == "insecure")
+                for name in ("tls", "insecure")]
+    try:
+        for cluster in clusters:
+            cluster.start()
+            async with Client(cluster.meta_address, credentials=cluster.worker, insecure=cluster.ca is None) as c:
+                await c.write(NS, prompt, payload, layout, "chat")
+        return [await tls_cost(*clusters, t, prompt, payload, layout, rounds, cold) for t in transports]
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+
+
 async def run_io(tokens: int, layers: int, transports: list[str], caches: list[str], rounds: int,
-                 concurrency: int, chunkservers: int, log=print) -> dict:
+                 concurrency: int, chunkservers: int, log=print, insecure: bool = False,
+                 vs_insecure: bool = False) -> dict:
     layout = BlockLayout.mla(layers=layers)
     rng = random.Random(0)
     prompt = [rng.randrange(100_000) for _ in range(tokens - tokens % layout.block_tokens)]
     payload = bytearray(os.urandom(layout.buffer_bytes(len(prompt))))
-    report: dict = {"block_bytes": layout.payload_bytes, "blocks": len(prompt) // layout.block_tokens,
+    report: dict = {"security": "insecure" if insecure else "mutual TLS", "block_bytes": layout.payload_bytes,
+                    "blocks": len(prompt) // layout.block_tokens,
                     "prefix_bytes": len(payload), "modes": {}}
     report["socket_gbps"] = socket_copy(len(payload))
     log(f"baseline: loopback socket copy {report['socket_gbps']:.2f} GB/s")
@@ -263,10 +309,10 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
         for cache in caches:
             mode = "buffered" if cache == "warm" else "direct"
             cluster = LocalCluster(root / cache, chunkservers=chunkservers, replicas=2, capacity="16GiB",
-                                   chunk_extra=["--io-mode", mode])
+                                   chunk_extra=["--io-mode", mode], insecure=insecure)
             cluster.start()
             try:
-                async with Client(cluster.meta_address) as client:
+                async with Client(cluster.meta_address, credentials=cluster.worker, insecure=insecure) as client:
                     t0 = time.perf_counter()
                     written = await client.write(NS, prompt, payload, layout, "chat")
                     write_s = time.perf_counter() - t0
@@ -284,8 +330,9 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                     f"to disks, 2 replicas) vs raw write {raw_w:.2f} GB/s; raw io_uring read over the slot files "
                     f"{raw:.2f} GB/s")
                 for t in transports:
-                    res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
-                                               concurrency, files if cache == "cold" else None)
+                    with cluster.worker_env():
+                        res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,
+                                                   concurrency, files if cache == "cold" else None)
                     entry["transports"].append(res)
                     log(f"{cache} {t}: restore {res['restore_gbps_median']:.2f} GB/s; {concurrency} concurrent "
                         f"single-block restores {res['concurrent_gbps']:.2f} GB/s, p50 {res['block_p50_ms']:.1f} ms, "
@@ -293,6 +340,12 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                 report["modes"][cache] = entry
             finally:
                 cluster.stop()
+            if vs_insecure and not insecure:
+                entry["tls_cost"] = await _tls_costs(root / cache, mode, chunkservers, transports, prompt, payload,
+                                                     layout, rounds, cache == "cold")
+                for c in entry["tls_cost"]:
+                    log(f"{cache} {c['transport']}: alternating restores, mutual TLS {c['tls_gbps']:.2f} GB/s, "
+                        f"--insecure {c['insecure_gbps']:.2f} GB/s: {c['tls_over_insecure']:.2f}x")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for entry in report["modes"].values():

@@ -28,19 +28,25 @@ def _io(args) -> int:
     from .io import run_io
 
     console.print(f"kvfs-bench io: a {args.tokens}-token MLA prefix ({args.layers} layers) on {args.chunkservers} "
-                  f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}")
+                  f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}; "
+                  f"{'--insecure (plaintext gRPC)' if args.insecure else 'mutual TLS on gRPC'}")
     report = asyncio.run(run_io(args.tokens, args.layers, args.transport.split(","), args.cache.split(","),
-                                args.rounds, args.concurrency, args.chunkservers, log=console.print))
+                                args.rounds, args.concurrency, args.chunkservers, log=console.print,
+                                insecure=args.insecure, vs_insecure=args.vs_insecure))
     table = Table(title=f"restores of {report['prefix_bytes'] / 1e9:.2f} GB in {report['blocks']} blocks of "
                         f"{report['block_bytes']} bytes (medians; ratios from this run)")
-    for col in ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis",
-                f"x{args.concurrency} GB/s", "block p50 ms", "block p99 ms"):
+    columns = ("cache", "transport", "restore GB/s", "/ raw disk", "/ socket", "/ redis", f"x{args.concurrency} GB/s",
+               "block p50 ms", "block p99 ms") + (("TLS / insecure",) if args.vs_insecure else ())
+    for col in columns:
         table.add_column(col, justify="right")
+    cost = {(cache, c["transport"]): c["tls_over_insecure"] for cache, e in report["modes"].items()
+            for c in e.get("tls_cost", [])}
     for cache, entry in report["modes"].items():
         for r in entry["transports"]:
             table.add_row(cache, r["transport"], f"{r['restore_gbps_median']:.2f}", f"{r['over_raw']:.2f}",
                           f"{r['over_socket']:.2f}", f"{r['over_redis']:.2f}" if "over_redis" in r else "-",
-                          f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}")
+                          f"{r['concurrent_gbps']:.2f}", f"{r['block_p50_ms']:.1f}", f"{r['block_p99_ms']:.1f}",
+                          *([f"{cost[cache, r['transport']]:.2f}"] if args.vs_insecure else []))
     console.print(table)
     writes = Table(title="the prefix written once through the cluster (2 replicas)")
     for col in ("cache", "write GB/s (payload)", "to disks GB/s", "raw disk write GB/s", "/ raw write"):
@@ -58,7 +64,8 @@ def _io(args) -> int:
     _write_json(args.json, {"bench": "io", **_host(), "config": {
         "tokens": args.tokens, "layers": args.layers, "transports": args.transport.split(","),
         "caches": args.cache.split(","), "rounds": args.rounds, "concurrency": args.concurrency,
-        "chunkservers": args.chunkservers}, "results": report})
+        "chunkservers": args.chunkservers, "insecure": args.insecure, "vs_insecure": args.vs_insecure},
+        "results": report})
     return 0
 
 
@@ -325,7 +332,9 @@ def _cluster(args):
     with _scratch() as root:
         cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
         try:
-            yield cluster.start().meta_address
+            cluster.start()
+            with cluster.worker_env():  # the engines' clients connect as the cluster's worker
+                yield cluster.meta_address
         finally:
             cluster.stop()
 
@@ -442,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     io.add_argument("--rounds", type=int, default=3)
     io.add_argument("--concurrency", type=int, default=16)
     io.add_argument("--chunkservers", type=int, default=3)
+    io.add_argument("--insecure", action="store_true", help="the cluster without TLS (a trusted lab)")
+    io.add_argument("--vs-insecure", action="store_true",
+                    help="also restore, alternating, from a TLS and an --insecure cluster: the cost of TLS per "
+                         "transport (the last column)")
     prefix = sub.add_parser("prefix", help="restore and write-back of one long MLA prefix on a local cluster, "
                                            "beside the raw disk reader; MatchPrefix latency")
     prefix.add_argument("--tokens", type=int, default=32768)

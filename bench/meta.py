@@ -92,7 +92,7 @@ class MetaBenchConfig:
 
     def meta_flags(self) -> list[str]:
         """The metaserver settings this run changes."""
-        flags = []
+        flags = ["--insecure"]  # its chunkservers are fakes (bench/fakes.py) that speak plaintext gRPC
         for flag, value in (("--heartbeat-interval", self.heartbeat_interval),
                             ("--heartbeat-timeout", self.heartbeat_timeout)):
             if value is not None:

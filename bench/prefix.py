@@ -36,7 +36,7 @@ async def run_prefix(root: pathlib.Path, tokens: int, rounds: int, lookup_blocks
     cluster = LocalCluster(root, chunkservers=chunkservers, replicas=replicas, capacity="16GiB")
     cluster.start()
     try:
-        async with Client(cluster.meta_address) as client:
+        async with Client(cluster.meta_address, credentials=cluster.worker) as client:
             t0 = time.perf_counter()
             res = await client.write(ns, prompt, payload, layout, "chat")
             write_s = time.perf_counter() - t0

@@ -27,7 +27,7 @@ async def run_ttft(preset: str, lengths: list[int], chunkservers: int, log=print
     rows = []
     try:
         pool = BufferPool(arena_bytes=2 * cfg.block_layout().buffer_bytes(max(lengths) + 64) + (64 << 20))
-        async with Client(cluster.meta_address) as client:
+        async with Client(cluster.meta_address, credentials=cluster.worker) as client:
             ns = Namespace("bench", f"ttft-{preset}")
             miss_engine = Engine(cfg, client, ns, pool=pool)
             hit_engine = Engine(cfg, client, ns, pool=pool)

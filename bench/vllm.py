@@ -32,7 +32,14 @@ def build_tiny_model(path: str | os.PathLike) -> str:
     return str(path)
 
 
-def make_llm(model: str, meta: str, tenant: str):
+def _tls_config(folder) -> dict:
+    """The connector's certificate settings: the local cluster's worker certificate."""
+    if folder is None:
+        return {}
+    return {"tls_ca": f"{folder}/ca.pem", "tls_cert": f"{folder}/worker.pem", "tls_key": f"{folder}/worker.key"}
+
+
+def make_llm(model: str, meta: str, tenant: str, tls_dir=None):
     """An engine with KvfsConnector on the metaserver `meta` (vLLM's own prefix cache off)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -42,7 +49,8 @@ def make_llm(model: str, meta: str, tenant: str):
                kv_transfer_config=KVTransferConfig(
                    kv_connector="KvfsConnector", kv_connector_module_path="kvfs.integrations.vllm",
                    kv_role="kv_both", kv_load_failure_policy="recompute",
-                   kv_connector_extra_config={"meta": meta, "tenant": tenant}))
+                   kv_connector_extra_config={"meta": meta, "tenant": tenant,
+                                                              **_tls_config(tls_dir)}))
 
 
 def first_token(llm, prompt: list[int], salt: str | None = None):
@@ -83,9 +91,10 @@ def run_vllm(root: pathlib.Path, tokens: int, chunkservers: int = 3, log=print) 
     warm = [(13 * i + 5) % 900 + 10 for i in range(40)]  # under one kvfs block: neither loads nor saves
     rows = {}
     try:
-        with SyncClient(cluster.meta_address) as client:
+        worker = cluster.worker  # issues worker.pem in the cluster's CA folder
+        with SyncClient(cluster.meta_address, credentials=worker) as client:
             for phase in ("miss", "hit"):
-                llm = make_llm(model, cluster.meta_address, tenant)
+                llm = make_llm(model, cluster.meta_address, tenant, cluster.ca.folder)
                 for _ in range(2):  # the first steps of an engine are slow: not what is measured
                     first_token(llm, warm)
                 worker = get_kv_transfer_group()

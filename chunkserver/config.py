@@ -31,6 +31,14 @@ class ChunkserverConfig:
                               "port; 'off' serves reads over gRPC only)")
     meta: str = option("", "metaserver host:port to register with (empty: standalone)")
     advertise: str = option("", "address clients use to reach this server (default: the bound one)")
+    tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "
+                         "signed (mutual TLS; `kvfs tls` makes one)")
+    tls_cert: str = option("", "this chunkserver's certificate (PEM): a server certificate naming this server's "
+                           "id, with SANs for every host it is reached by; also presented to the metaserver and "
+                           "to other chunkservers")
+    tls_key: str = option("", "the certificate's private key (PEM)")
+    insecure: bool = option(False, "plaintext gRPC: no TLS, no caller identities, no access rules; for a "
+                            "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")
     log_level: str = option("INFO", "logging level")
 

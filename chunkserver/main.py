@@ -6,12 +6,12 @@ import asyncio
 import logging
 import sys
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvfs import tls
 from kvfs.proto import chunk_pb2_grpc
-from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, run_server, until_signalled, watch_event_loop, write_ready_file
+from kvfs.serving import (bound_address, credentials, grpc_server, run_server, until_signalled,
+                          watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
 from .dataport import start_data_server
@@ -24,15 +24,19 @@ log = logging.getLogger("kvfs.chunkserver")
 
 
 async def serve(cfg: ChunkserverConfig) -> None:
+    creds = credentials(cfg, f"chunkserver {cfg.id}")
+    if creds is not None and creds.identity.name != cfg.id:
+        raise SystemExit(f"chunkserver {cfg.id}: its certificate names server {creds.identity.name!r}; the "
+                         f"metaserver accepts it only as that id (issue one for {cfg.id!r} or pass --id)")
     store = ChunkStore(cfg)
     host = cfg.listen.rsplit(":", 1)[0]
     data = start_data_server(cfg.data_listen or f"{host}:0", store) if cfg.data_listen != "off" else None
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
+    server = grpc_server(f"chunkserver {cfg.id}", creds)
+    address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     advertised = cfg.advertise or address
     # the data port is advertised on the same host as gRPC
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
-    servicer = ChunkServicer(store, data_address)
+    servicer = ChunkServicer(store, data_address, creds)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -43,7 +47,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
              cfg.id, cfg.failure_domain, address, data_address or "off", cfg.data_dir, cfg.capacity,
              store.reader.name, store.io_mode)
     write_ready_file(cfg.ready_file, address)
-    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address))
+    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds))
              if cfg.meta else None)
     # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
     scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))

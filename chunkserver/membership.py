@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from kvfs import tls
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
 from .config import ChunkserverConfig
@@ -18,9 +19,11 @@ log = logging.getLogger(__name__)
 MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the next beats
 
 
-async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str) -> None:
-    """Registers (retrying until the metaserver answers) and heartbeats for ever."""
-    async with grpc.aio.insecure_channel(cfg.meta) as channel:
+async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str,
+                            creds: tls.Credentials | None) -> None:
+    """Registers (retrying until the metaserver answers) and heartbeats for ever,
+    as the server its certificate names."""
+    async with tls.aio_channel(cfg.meta, creds) as channel:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
         interval, registered, failures = 1.0, False, 0
         while True:

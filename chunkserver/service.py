@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from kvfs import tls
 from kvfs.errors import DataLoss, InvalidArgument, KvfsError, from_code, from_rpc_error
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
@@ -16,8 +17,9 @@ COPY_TIMEOUT = 60
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
-    def __init__(self, store: ChunkStore, data_address: str = ""):
+    def __init__(self, store: ChunkStore, data_address: str = "", creds: tls.Credentials | None = None):
         self.store = store
+        self.creds = creds  # presented to CopyChunk sources
         self.data_address = data_address
         self._peers: dict[str, grpc.aio.Channel] = {}  # CopyChunk sources
 
@@ -94,7 +96,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
             return chunk_pb2.CopyChunkReply(created=False, bytes=0)
         channel = self._peers.get(request.source)
         if channel is None:
-            channel = self._peers[request.source] = grpc.aio.insecure_channel(request.source, options=CHANNEL_OPTIONS)
+            # the source must present a server certificate for the address it is named by
+            channel = self._peers[request.source] = tls.aio_channel(request.source, self.creds, CHANNEL_OPTIONS)
         stub = chunk_pb2_grpc.ChunkServiceStub(channel)
         try:
             (res,) = [r async for r in stub.ReadChunks(chunk_pb2.ReadChunksRequest(

@@ -66,13 +66,15 @@ def make_prompts(n: int, seed: int, block_tokens: int) -> list[list[int]]:
 
 
 async def run_workload(meta_address: str, prompts: list[list[int]], concurrency: int = 4,
-                       layout: BlockLayout = MLA_LAYOUT, progress=None) -> DemoStats:
+                       layout: BlockLayout = MLA_LAYOUT, progress=None, credentials=None) -> DemoStats:
+    """Serves `prompts` through one client (`credentials`: a worker's; None: an --insecure cluster)."""
     ns = Namespace("demo", "deepseek-v3", "mla-bf16")
     stats = DemoStats()
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
-    async with Client(meta_address, block_tokens=layout.block_tokens) as client:
+    async with Client(meta_address, block_tokens=layout.block_tokens, credentials=credentials,
+                      insecure=credentials is None) as client:
 
         async def serve_prompts():
             while not queue.empty():
@@ -129,7 +131,8 @@ def summary(stats: DemoStats, wall: float) -> list[str]:
     ]
 
 
-async def engine_miss_then_hit(meta_address: str, prompt_tokens: int, preset: str = "bench") -> list[str]:
+async def engine_miss_then_hit(meta_address: str, prompt_tokens: int, preset: str = "bench",
+                               credentials=None) -> list[str]:
     """One long prompt through the MLA engine twice: a miss (prefill + write-back), then a hit."""
     from kvfs.client import BufferPool
     from kvfs.engine import Engine, ModelConfig, tokenizer
@@ -138,7 +141,7 @@ async def engine_miss_then_hit(meta_address: str, prompt_tokens: int, preset: st
     text = ("You are a careful assistant. The tools you may call are listed below, with their schemas. " * 400)
     tokens = tokenizer.encode(text)[:prompt_tokens]
     pool = BufferPool(arena_bytes=2 * cfg.block_layout().buffer_bytes(prompt_tokens + 64) + (64 << 20))
-    async with Client(meta_address) as client:
+    async with Client(meta_address, credentials=credentials, insecure=credentials is None) as client:
         ns = Namespace("demo", f"engine-{preset}")
         first, second = Engine(cfg, client, ns, pool=pool), Engine(cfg, client, ns, pool=pool)
         miss = await first.agenerate(tokens, 8)

@@ -2,10 +2,18 @@
 
 The same code serves `kvfs demo`, `kvfs-bench` and the tests, so what the tests
 exercise is what users run.
+
+Security is on unless a server is started with --insecure: the launcher keeps a
+local CA in the run folder's `tls/` (or in $KVFS_LOCAL_CA, shared by several
+clusters), issues each server a certificate naming its id and its hosts, and talks
+to the servers with an `admin` certificate from the same CA. Workers of a local
+cluster use `LocalCluster.worker` (any tenant) or a certificate `credentials()` issues.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pathlib
 import signal
@@ -16,6 +24,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvfs import tls
+from kvfs.tls import ADMIN, ANY_TENANT, SERVER, WORKER, Credentials, LocalCA
 
 
 class LaunchError(RuntimeError):
@@ -31,6 +42,7 @@ class ServerProcess:
     address: str
     log_path: pathlib.Path
     args: list[str] = field(default_factory=list)
+    credentials: Credentials | None = None  # what the launcher talks to it with (None: --insecure)
 
     @property
     def pid(self) -> int:
@@ -64,10 +76,34 @@ class ServerProcess:
             return ""
 
 
-def wait_healthy(address: str, timeout: float = 30) -> None:
+def local_ca(run_dir: str | os.PathLike) -> LocalCA:
+    """The launcher's CA: $KVFS_LOCAL_CA if set, else `<run_dir>/tls`; made on first use."""
+    return LocalCA(os.environ.get("KVFS_LOCAL_CA") or pathlib.Path(run_dir) / "tls")
+
+
+def admin_credentials(ca: LocalCA) -> Credentials:
+    return ca.credentials("admin", [ADMIN])
+
+
+def _secure(name: str, args: list[str], listen: str, ca: LocalCA | None,
+            run_dir: pathlib.Path) -> tuple[list[str], Credentials | None]:
+    """`args` with the TLS flags of a fresh certificate for server `name` from the
+    local CA, and the admin credentials to reach it; as given with --insecure."""
+    if "--insecure" in args:
+        return args, None
+    ca = ca or local_ca(run_dir)
+    hosts = [*tls.LOCAL_HOSTS, listen.rsplit(":", 1)[0].strip("[]")]
+    if "--advertise" in args:
+        hosts.append(args[args.index("--advertise") + 1].rsplit(":", 1)[0].strip("[]"))
+    paths = ca.issue_files(name, [SERVER], hosts=[h for h in hosts if h not in ("", "0.0.0.0", "::")])
+    return [*args, *(x for flag, path in zip(("--tls-ca", "--tls-cert", "--tls-key"), paths)
+                     for x in (flag, str(path)))], admin_credentials(ca)
+
+
+def wait_healthy(address: str, timeout: float = 30, credentials: Credentials | None = None) -> None:
     """Waits until the gRPC health service at `address` answers SERVING."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             left = deadline - time.monotonic()
@@ -83,9 +119,11 @@ def wait_healthy(address: str, timeout: float = 30) -> None:
 
 
 def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
-                 timeout: float = 30, env: dict[str, str] | None = None, netns: str | None = None) -> ServerProcess:
+                 timeout: float = 30, env: dict[str, str] | None = None, netns: str | None = None,
+                 credentials: Credentials | None = None) -> ServerProcess:
     """Runs `python -m module args --ready-file ...` (inside network namespace
-    `netns` when given: `ip netns exec`, as root) and waits for it to serve."""
+    `netns` when given: `ip netns exec`, as root) and waits for it to serve,
+    checking its health with `credentials` (None: plaintext)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ready = run_dir / f"{name}.addr"
     ready.unlink(missing_ok=True)
@@ -96,7 +134,7 @@ def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
-    server = ServerProcess(name, proc, "", log_path, args)
+    server = ServerProcess(name, proc, "", log_path, args, credentials)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if not server.alive():
@@ -107,7 +145,7 @@ def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
         time.sleep(0.02)
     server.address = ready.read_text().strip()
     try:
-        wait_healthy(server.address, max(1.0, deadline - time.monotonic()))
+        wait_healthy(server.address, max(1.0, deadline - time.monotonic()), credentials)
     except LaunchError:
         server.kill()
         raise
@@ -118,39 +156,44 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
                       failure_domain: str | None = None, capacity: str | None = None,
                       listen: str = "127.0.0.1:0", extra: list[str] | None = None,
                       run_dir: str | os.PathLike | None = None, timeout: float = 30,
-                      env: dict[str, str] | None = None, netns: str | None = None) -> ServerProcess:
+                      env: dict[str, str] | None = None, netns: str | None = None,
+                      ca: LocalCA | None = None) -> ServerProcess:
     """Starts `kvfs-chunkserver` in its own process; returns once it serves.
 
     Options left None come from the server's own config (environment, TOML, defaults).
+    Unless `extra` holds --insecure, it gets a certificate for `server_id` from `ca`
+    (default: local_ca(run_dir)).
     """
     data_dir = pathlib.Path(data_dir)
+    run_dir = pathlib.Path(run_dir) if run_dir else data_dir.parent
     args = ["--data-dir", str(data_dir), "--listen", listen, "--id", server_id]
     for flag, value in (("--failure-domain", failure_domain), ("--capacity", capacity)):
         if value is not None:
             args += [flag, value]
-    args += extra or []
-    return start_server(server_id, "kvfs.chunkserver", args,
-                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env, netns)
+    args, creds = _secure(server_id, args + (extra or []), listen, ca, run_dir)
+    return start_server(server_id, "kvfs.chunkserver", args, run_dir, timeout, env, netns, creds)
 
 
 def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0", replicas: int | None = None,
                      extra: list[str] | None = None, run_dir: str | os.PathLike | None = None,
                      timeout: float = 30, env: dict[str, str] | None = None,
-                     netns: str | None = None) -> ServerProcess:
-    """Starts `kvfs-metaserver` in its own process; returns once it serves."""
+                     netns: str | None = None, ca: LocalCA | None = None) -> ServerProcess:
+    """Starts `kvfs-metaserver` in its own process; returns once it serves (TLS as
+    start_chunkserver's)."""
     data_dir = pathlib.Path(data_dir)
+    run_dir = pathlib.Path(run_dir) if run_dir else data_dir.parent
     args = ["--data-dir", str(data_dir), "--listen", listen]
     if replicas is not None:
         args += ["--replicas", str(replicas)]
-    args += extra or []
-    return start_server("metaserver", "kvfs.metaserver", args,
-                        pathlib.Path(run_dir) if run_dir else data_dir.parent, timeout, env, netns)
+    args, creds = _secure("metaserver", args + (extra or []), listen, ca, run_dir)
+    return start_server("metaserver", "kvfs.metaserver", args, run_dir, timeout, env, netns, creds)
 
 
-def meta_status(address: str, timeout: float = 5):
+def meta_status(address: str, timeout: float = 5, credentials: Credentials | None = None):
+    """The metaserver's Status, asked with `credentials` (None: plaintext)."""
     from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address, credentials) as channel:
         return meta_pb2_grpc.MetaServiceStub(channel).Status(meta_pb2.StatusRequest(), timeout=timeout)
 
 
@@ -159,18 +202,23 @@ class LocalCluster:
     chunkserver in its own failure domain (host-0, host-1, ...).
 
     >>> with LocalCluster("/tmp/kvfs", chunkservers=3, replicas=2) as cluster:
-    ...     client = Client(cluster.meta_address)
+    ...     client = Client(cluster.meta_address, credentials=cluster.worker)
+
+    Mutual TLS from a local CA (see the module's docstring) unless `insecure`.
     """
 
     def __init__(self, root: str | os.PathLike, *, chunkservers: int = 3, replicas: int = 2,
                  capacity: str = "4GiB", meta_extra: list[str] | None = None,
-                 chunk_extra: list[str] | None = None, env: dict[str, str] | None = None):
+                 chunk_extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 insecure: bool = False):
         self.root = pathlib.Path(root)
+        self.insecure = insecure
+        self.ca = None if insecure else local_ca(self.root)
         self.n = chunkservers
         self.replicas = replicas
         self.capacity = capacity
-        self.meta_extra = list(meta_extra or [])
-        self.chunk_extra = list(chunk_extra or [])
+        self.meta_extra = list(meta_extra or []) + (["--insecure"] if insecure else [])
+        self.chunk_extra = list(chunk_extra or []) + (["--insecure"] if insecure else [])
         self.env = env
         self.meta: ServerProcess | None = None
         self.chunkservers: list[ServerProcess | None] = [None] * chunkservers
@@ -179,6 +227,42 @@ class LocalCluster:
     def meta_address(self) -> str:
         assert self.meta is not None, "cluster not started"
         return self.meta.address
+
+    @functools.cached_property
+    def admin(self) -> Credentials | None:
+        """An admin's credentials (what `kvfs status` uses); None when insecure."""
+        return None if self.ca is None else admin_credentials(self.ca)
+
+    @functools.cached_property
+    def worker(self) -> Credentials | None:
+        """A worker's credentials for any tenant (a local, single-user cluster); None when insecure."""
+        return None if self.ca is None else self.ca.credentials("worker", [WORKER], tenants=[ANY_TENANT])
+
+    def credentials(self, name: str, roles, tenants=(), hosts=()) -> Credentials | None:
+        """A fresh certificate from this cluster's CA (None when insecure)."""
+        return None if self.ca is None else self.ca.authority.issue(name, roles, tenants=tenants, hosts=hosts)
+
+    @contextlib.contextmanager
+    def worker_env(self):
+        """Inside, SDK clients made without credentials in this process connect as
+        this cluster's worker (the KVFS_CLIENT_* variables, restored on the way out)."""
+        if self.ca is None:
+            values = {"KVFS_CLIENT_INSECURE": "true"}
+        else:
+            self.worker  # noqa: B018 (issued on first use)
+            folder = self.ca.folder
+            values = {"KVFS_CLIENT_TLS_CA": f"{folder}/ca.pem", "KVFS_CLIENT_TLS_CERT": f"{folder}/worker.pem",
+                      "KVFS_CLIENT_TLS_KEY": f"{folder}/worker.key", "KVFS_CLIENT_INSECURE": "false"}
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def start(self, timeout: float = 60) -> LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -196,7 +280,8 @@ class LocalCluster:
         """(Re)starts the metaserver, on the same address as before if it had one."""
         listen = self.meta.address if self.meta else "127.0.0.1:0"
         self.meta = start_metaserver(self.root / "metaserver", listen=listen, replicas=self.replicas,
-                                     extra=self.meta_extra, run_dir=self.root, timeout=timeout, env=self.env)
+                                     extra=self.meta_extra, run_dir=self.root, timeout=timeout, env=self.env,
+                                     ca=self.ca)
         return self.meta
 
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
@@ -206,7 +291,8 @@ class LocalCluster:
         listen = old.address if old else "127.0.0.1:0"
         cs = start_chunkserver(self.root / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}",
                                capacity=self.capacity, listen=listen, run_dir=self.root, timeout=timeout,
-                               extra=["--meta", self.meta_address, *self.chunk_extra], env=self.env)
+                               extra=["--meta", self.meta_address, *self.chunk_extra], env=self.env,
+                               ca=self.ca)
         self.chunkservers[i] = cs
         if wait:
             self.wait_until(lambda st: any(s.id == f"cs-{i}" and s.live and s.heartbeat_age_s < 1
@@ -217,7 +303,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                status = meta_status(self.meta_address)
+                status = meta_status(self.meta_address, credentials=self.admin)
                 if condition(status):
                     return status
             except grpc.RpcError:

@@ -16,8 +16,9 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from kvfs import tls
 from kvfs.config import render_toml
-from kvfs.errors import KvfsError, from_rpc_error
+from kvfs.errors import InvalidArgument, KvfsError, from_rpc_error
 from kvfs.cli.launcher import LocalCluster, meta_status
 
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -45,18 +46,46 @@ def _status_table(status) -> Table:
     return table
 
 
+def _cluster_state(args) -> dict | None:
+    state = pathlib.Path(args.data_dir) / "cluster.json"
+    return json.loads(state.read_text()) if state.exists() else None
+
+
 def _meta_address(args) -> str:
     if args.meta:
         return args.meta
-    state = pathlib.Path(args.data_dir) / "cluster.json"
-    if not state.exists():
-        raise SystemExit(f"no --meta given and no local cluster state in {state}; start one with `kvfs cluster up`")
-    return json.loads(state.read_text())["metaserver"]
+    state = _cluster_state(args)
+    if state is None:
+        raise SystemExit(f"no --meta given and no local cluster state in {args.data_dir}/cluster.json; start one "
+                         f"with `kvfs cluster up`")
+    return state["metaserver"]
+
+
+def _admin_credentials(args) -> tls.Credentials | None:
+    """--tls-* files, else the local cluster's admin certificate; None with --insecure."""
+    if args.insecure:
+        return None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        try:
+            return tls.Credentials.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+    state = _cluster_state(args) or {}
+    if state.get("insecure"):
+        return None
+    folder = state.get("tls") or str(pathlib.Path(args.data_dir) / "tls")
+    try:
+        return tls.Credentials.from_files(f"{folder}/ca.pem", f"{folder}/admin.pem", f"{folder}/admin.key")
+    except ValueError:
+        raise InvalidArgument("no admin certificate: pass --tls-ca/--tls-cert/--tls-key (an admin certificate, "
+                              "`kvfs tls issue admin NAME`), or --data-dir of a local cluster, or --insecure "
+                              "for a cluster started with --insecure") from None
 
 
 def _cluster_up(args) -> int:
     root = pathlib.Path(args.data_dir)
-    cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity=args.capacity)
+    cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity=args.capacity,
+                           insecure=args.insecure)
     stop = False
 
     def on_signal(*_):
@@ -71,7 +100,16 @@ def _cluster_up(args) -> int:
         print(f"metaserver {cluster.meta_address}", flush=True)
         for i, cs in enumerate(cluster.chunkservers):
             print(f"chunkserver cs-{i} {cs.address} host-{i}", flush=True)
+        tls_dir = str(cluster.ca.folder.resolve()) if cluster.ca else None
+        if cluster.ca:
+            cluster.worker  # issues worker.pem (any tenant) for this local cluster's workers
+            print(f"mutual TLS: CA and certificates in {tls_dir}; a worker connects with KVFS_CLIENT_TLS_CA="
+                  f"{tls_dir}/ca.pem KVFS_CLIENT_TLS_CERT={tls_dir}/worker.pem KVFS_CLIENT_TLS_KEY="
+                  f"{tls_dir}/worker.key", flush=True)
+        else:
+            print("WARNING: --insecure: plaintext gRPC, no authentication, no access rules", flush=True)
         state.write_text(json.dumps({"pid": os.getpid(), "metaserver": cluster.meta_address,
+                                     "tls": tls_dir, "insecure": args.insecure,
                                      "servers": {p.name: {"address": p.address, "pid": p.pid}
                                                  for p in cluster.processes()}}))
         print(f"cluster up ({args.chunkservers} chunkservers, {args.replicas} replicas, data in {root}); "
@@ -116,7 +154,8 @@ def _demo(args) -> int:
 
     root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-demo-"))
     console.print(f"[bold]kvfs demo[/]: starting a local cluster in {root}")
-    with LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity="8GiB") as cluster:
+    with LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity="8GiB",
+                      insecure=args.insecure) as cluster:
         console.print(f"metaserver {cluster.meta_address}")
         for i, cs in enumerate(cluster.chunkservers):
             console.print(f"chunkserver cs-{i} {cs.address} (failure domain host-{i})")
@@ -124,7 +163,8 @@ def _demo(args) -> int:
         console.print(f"serving {len(prompts)} prompts from 10 prefix families, {args.concurrency} at a time, "
                       f"MLA blocks of 64 tokens x 27 layers x 576 values x bf16")
         t0 = time.perf_counter()
-        stats = asyncio.run(run_workload(cluster.meta_address, prompts, args.concurrency))
+        stats = asyncio.run(run_workload(cluster.meta_address, prompts, args.concurrency,
+                                         credentials=cluster.worker))
         wall = time.perf_counter() - t0
         for line in summary(stats, wall):
             console.print(line)
@@ -132,11 +172,12 @@ def _demo(args) -> int:
         if args.engine_tokens:
             from kvfs.cli.demo import engine_miss_then_hit
 
-            lines = asyncio.run(engine_miss_then_hit(cluster.meta_address, args.engine_tokens))
+            lines = asyncio.run(engine_miss_then_hit(cluster.meta_address, args.engine_tokens,
+                                                     credentials=cluster.worker))
             same = lines[-1].startswith("  same answer: yes")
             for line in lines:
                 console.print(line)
-        console.print(_status_table(meta_status(cluster.meta_address)))
+        console.print(_status_table(meta_status(cluster.meta_address, credentials=cluster.admin)))
     console.print("cluster stopped")
     return 0 if stats.mismatches == 0 and same else 1
 
@@ -145,7 +186,7 @@ def _admin(args) -> int:
     from kvfs.proto import meta_pb2, meta_pb2_grpc
 
     address = _meta_address(args)
-    with grpc.insecure_channel(address) as channel:
+    with tls.channel(address, _admin_credentials(args)) as channel:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
         try:
             if args.cmd == "status":
@@ -166,7 +207,8 @@ def _admin(args) -> int:
 async def _chunk_admin(args) -> int:
     from kvfs.client import ChunkClient
 
-    async with ChunkClient(args.address) as client:
+    creds = _admin_credentials(args)
+    async with ChunkClient(args.address, credentials=creds, insecure=creds is None) as client:
         if args.chunk_cmd == "stat":
             s = await client.stat()
             c = s.counters
@@ -193,9 +235,40 @@ KVFS_<PART>_<KEY> environment variables (KVFS_CHUNKSERVER_CAPACITY=2TiB) too."""
 
 def default_config() -> str:
     from kvfs.chunkserver.config import ChunkserverConfig
+    from kvfs.client.config import ClientConfig
     from kvfs.metaserver.config import MetaserverConfig
 
-    return render_toml({"chunkserver": ChunkserverConfig, "metaserver": MetaserverConfig}, CONFIG_HEADER)
+    return render_toml({"chunkserver": ChunkserverConfig, "metaserver": MetaserverConfig, "client": ClientConfig},
+                       CONFIG_HEADER)
+
+
+def _tls(args) -> int:
+    """`kvfs tls ca` / `kvfs tls issue`: certificate files for a real cluster."""
+    folder = pathlib.Path(args.dir)
+    if args.tls_cmd == "ca":
+        if (folder / "ca.key").exists():
+            raise InvalidArgument(f"{folder}/ca.key exists: a CA is made once (remove it to start over)")
+        tls.Authority.create(args.name).save(folder)
+        print(f"CA certificate {folder}/ca.pem, key {folder}/ca.key (keep the key off the cluster's machines)")
+        return 0
+    try:
+        authority = tls.Authority.load(folder)
+    except OSError:
+        raise InvalidArgument(f"no CA in {folder}: make one with `kvfs tls ca --dir {folder}`") from None
+    try:
+        creds = authority.issue(args.name, [args.role], tenants=args.tenant, hosts=args.host, days=args.days)
+    except ValueError as err:
+        raise InvalidArgument(str(err)) from None
+    ca, cert, key = creds.write(args.out or folder, args.name)
+    print(f"{args.role} certificate for {creds.identity}: {cert}, key {key}, CA {ca}")
+    return 0
+
+
+def _add_credential_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", help="CA certificate (default: the local cluster's)")
+    p.add_argument("--tls-cert", help="an admin certificate (default: the local cluster's admin.pem)")
+    p.add_argument("--tls-key", help="its key")
+    p.add_argument("--insecure", action="store_true", help="plaintext, to a cluster started with --insecure")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--chunkservers", type=int, default=3)
     up.add_argument("--replicas", type=int, default=2)
     up.add_argument("--capacity", default="10GiB", help="per chunkserver")
+    up.add_argument("--insecure", action="store_true",
+                    help="plaintext gRPC, no authentication or access rules (a trusted lab only)")
     down = csub.add_parser("down", help="stop a cluster started with `kvfs cluster up`")
     for p in (up, down):
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR)
@@ -218,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("--meta", help="metaserver host:port (default: the local cluster's)")
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR, help="local cluster folder")
+        _add_credential_flags(p)
 
     demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
     demo.add_argument("--prompts", type=int, default=200)
@@ -228,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--engine-tokens", type=int, default=4096,
                       help="then serve a prompt this long through the MLA engine twice (0: skip)")
     demo.add_argument("--data-dir", help="keep cluster data here (default: a new temporary folder)")
+    demo.add_argument("--insecure", action="store_true", help="run the cluster without TLS (a trusted lab only)")
 
     chunk = sub.add_parser("chunk", help="inspect one chunkserver")
     chunk_sub = chunk.add_subparsers(dest="chunk_cmd", required=True)
@@ -235,6 +312,24 @@ def main(argv: list[str] | None = None) -> int:
         p = chunk_sub.add_parser(name, help=text)
         p.add_argument("address", help="host:port of the chunkserver")
         p.add_argument("--limit", type=int, default=50, help="rows to show (ls)")
+        p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR, help="local cluster folder (its admin certificate)")
+        _add_credential_flags(p)
+
+    tls_parser = sub.add_parser("tls", help="a CA and certificates (mutual TLS) for a real cluster")
+    tls_sub = tls_parser.add_subparsers(dest="tls_cmd", required=True)
+    ca = tls_sub.add_parser("ca", help="make a CA: ca.pem and ca.key in --dir")
+    ca.add_argument("--name", default="kvfs CA")
+    issue = tls_sub.add_parser("issue", help="issue a certificate signed by the CA in --dir")
+    issue.add_argument("role", choices=tls.ROLES)
+    issue.add_argument("name", help="a chunkserver's id (it registers only as this), or a label")
+    issue.add_argument("--tenant", action="append", default=[],
+                       help="worker: a tenant it may act for (repeat; '*' for any)")
+    issue.add_argument("--host", action="append", default=[],
+                       help="server: a DNS name or IP clients reach it by (repeat)")
+    issue.add_argument("--days", type=int, default=365)
+    issue.add_argument("--out", help="where to write NAME.pem, NAME.key and ca.pem (default: --dir)")
+    for p in (ca, issue):
+        p.add_argument("--dir", default="kvfs-tls", help="the CA's folder")
 
     sub.add_parser("config", help="print a configuration file with every setting at its default "
                    "(deploy/kvfs.toml is this output)")
@@ -250,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if args.cmd == "chunk":
             return asyncio.run(_chunk_admin(args))
+        if args.cmd == "tls":
+            return _tls(args)
         return _admin(args)
     except KvfsError as err:  # one clear line for operators
         console.print(f"[red]error[/]: {err.message}")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from kvfs import tls
 from kvfs.checksum import chunk_checksum
 from kvfs.errors import from_code, from_rpc_error
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
@@ -16,16 +17,18 @@ from kvfs.rpc import CHANNEL_OPTIONS
 
 from kvfs.config import MiB
 
+from .config import resolve_credentials
+
 WRITE_PIECE = 4 * MiB  # bytes per message of a streamed WriteChunk
 
 
 class ChunkClient:
     """An async client of one chunkserver. Errors come back as kvfs.errors types
-    whose message names the server."""
+    whose message names the server. `credentials` / `insecure`: as Client's."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, *, credentials: tls.Credentials | None = None, insecure: bool = False):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = tls.aio_channel(address, resolve_credentials(credentials, insecure), CHANNEL_OPTIONS)
         self._stub = chunk_pb2_grpc.ChunkServiceStub(self._channel)
 
     async def close(self) -> None:

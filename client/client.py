@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvfs import tls
 from kvfs.buffers import byte_view
 from kvfs.errors import InvalidArgument, KvfsError, from_rpc_error
 from kvfs.keys import Namespace, block_keys
@@ -19,6 +20,7 @@ from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 
 from .chunks import ChunkClient, chunk_checksum
+from .config import resolve_credentials
 from .hedge import HedgeBudget, ServerLatency
 from .restore import Restore
 from .transport import GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
@@ -99,14 +101,21 @@ class Client:
     measured p95 is also requested from another replica, the first good answer
     is used (at most `hedge_budget` of batches are hedged). `latency` holds the
     per-server measurements, `hedges` the counts.
+
+    `credentials` (kvfs.tls.Credentials: a worker certificate naming the tenants
+    this process may act for, its key and the cluster CA) authenticate every gRPC
+    call; without them the client reads KVFS_CLIENT_TLS_CA / _CERT / _KEY (or
+    KVFS_CONFIG's [client] table). `insecure=True` speaks plaintext, to a cluster
+    started with --insecure only.
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
-                 hedge_budget: float = 0.05):
+                 hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+        self.credentials = resolve_credentials(credentials, insecure)
         self.metaserver = metaserver
         self.transport = transport
         self._transports: dict[str, Transport] = {
@@ -119,7 +128,7 @@ class Client:
         self.read_batch = read_batch
         self.write_concurrency = write_concurrency
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(metaserver, options=CHANNEL_OPTIONS)
+        self._channel = tls.aio_channel(metaserver, self.credentials, CHANNEL_OPTIONS)
         self._meta = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._chunk_clients: dict[str, ChunkClient] = {}
         self.hedge = hedge
@@ -143,7 +152,8 @@ class Client:
         """The pooled client of one chunkserver (one channel per address)."""
         client = self._chunk_clients.get(address)
         if client is None:
-            client = self._chunk_clients[address] = ChunkClient(address)
+            client = self._chunk_clients[address] = ChunkClient(address, credentials=self.credentials,
+                                                                insecure=self.credentials is None)
         return client
 
     def transport_for(self, server: ServerInfo) -> Transport:

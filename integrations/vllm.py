@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole)
 
 from kvfs.client import BlockLayout, BufferPool, Client, Namespace, SyncClient
+from kvfs.tls import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ def _layer_index(name: str) -> int:
 class KvfsConnector(KVConnectorBase_V1):
     """kv_connector_extra_config: `meta` (metaserver address, required),
     `tenant` ("default"), `ttl_class` ("chat"), `model` (namespace model name;
-    default vLLM's model), `block_tokens` (kvfs block size, 64)."""
+    default vLLM's model), `block_tokens` (kvfs block size, 64), and the worker
+    certificate: `tls_ca`, `tls_cert`, `tls_key` (PEM files; default: the SDK's
+    KVFS_CLIENT_TLS_* variables) or `insecure` (a cluster started with --insecure)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -130,6 +133,9 @@ class KvfsConnector(KVConnectorBase_V1):
             raise ValueError('KvfsConnector needs the metaserver address: kv_connector_extra_config={"meta": '
                              '"host:port", ...}')
         self.meta_address = str(extra["meta"])
+        self.insecure = str(extra.get("insecure", "")).lower() in ("1", "true", "yes")
+        self.credentials = (Credentials.from_files(extra.get("tls_ca"), extra.get("tls_cert"), extra.get("tls_key"))
+                            if extra.get("tls_cert") else None)
         self.ttl_class = str(extra.get("ttl_class", "chat"))
         self.block_tokens = int(extra.get("block_tokens", 64))
         self.vblock = vllm_config.cache_config.block_size
@@ -171,7 +177,8 @@ class KvfsConnector(KVConnectorBase_V1):
         self.stats = {"loaded_tokens": 0, "loaded_bytes": 0, "load_seconds": 0.0, "load_failed_blocks": 0,
                       "loaded_block_ids": [], "saved_blocks": 0, "save_failures": 0, "snapshot_seconds": 0.0}
         if role == KVConnectorRole.SCHEDULER:
-            self._sync = SyncClient(self.meta_address, block_tokens=self.block_tokens)
+            self._sync = SyncClient(self.meta_address, block_tokens=self.block_tokens, credentials=self.credentials,
+                                    insecure=self.insecure)
         else:
             self._loop = _Loop()
             # staging buffers: pinned with CUDA; without, in a shared arena chunkservers on this host write into
@@ -186,7 +193,8 @@ class KvfsConnector(KVConnectorBase_V1):
                 self._writer = True
 
     async def _make_client(self) -> Client:
-        return Client(self.meta_address, block_tokens=self.block_tokens)
+        return Client(self.meta_address, block_tokens=self.block_tokens, credentials=self.credentials,
+                      insecure=self.insecure)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -68,6 +68,18 @@ class Internal(KvfsError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unauthenticated(KvfsError):
+    """The caller proved no identity (no client certificate, or one this cluster does not trust)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(KvfsError):
+    """The caller's identity does not allow this call (its role, or the tenant it names)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KvfsError]] = {
     cls.code: cls
     for cls in (
@@ -82,6 +94,8 @@ _BY_CODE: dict[grpc.StatusCode, type[KvfsError]] = {
         DeadlineExceeded,
         Aborted,
         Internal,
+        Unauthenticated,
+        PermissionDenied,
     )
 }
 # google.rpc.Code numbers (what per-range results carry) to grpc.StatusCode.

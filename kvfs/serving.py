@@ -10,7 +10,40 @@ import signal
 import sys
 import time
 
+import grpc
+
+from kvfs import tls
+from kvfs.auth import Authorizer
 from kvfs.config import add_flags, load
+from kvfs.rpc import CHANNEL_OPTIONS
+
+log = logging.getLogger("kvfs.serving")
+
+INSECURE_WARNING = ("%s runs with --insecure: plaintext gRPC, NO caller authentication, NO access rules; anyone "
+                    "who reaches %s can read, forge and delete every tenant's cache. Use it in a trusted lab only.")
+
+
+def credentials(cfg, name: str) -> tls.Credentials | None:
+    """The server's TLS credentials from its config; None (and a loud warning) with
+    `insecure`. Exits with the reason when the files are missing or are not a
+    server's certificate."""
+    try:
+        creds = tls.from_config(cfg)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"{name}: {err}") from None
+    if creds is None:
+        log.warning(INSECURE_WARNING, name, cfg.listen)
+        return None
+    if tls.SERVER not in creds.identity.roles:
+        raise SystemExit(f"{name}: {cfg.tls_cert} is not a server certificate ({creds.identity})")
+    log.info("%s: mutual TLS as %s", name, creds.identity)
+    return creds
+
+
+def grpc_server(name: str, creds: tls.Credentials | None) -> grpc.aio.Server:
+    """A gRPC server whose every call is checked against kvfs.auth.RULES (none over
+    plaintext: an --insecure server has no identities to check)."""
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[Authorizer(name)] if creds else [])
 
 
 def bound_address(listen: str, port: int) -> str:

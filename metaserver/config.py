@@ -55,6 +55,13 @@ class MetaserverConfig:
     rebuild: bool = option(False, "rebuild block metadata from chunkserver inventories after "
                            "servers register (see rebuild_after)")
     rebuild_after: float = duration_field(5.0, "with rebuild: wait this long for servers to register")
+    tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "
+                         "signed (mutual TLS; `kvfs tls` makes one)")
+    tls_cert: str = option("", "the metaserver's certificate (PEM): a server certificate with SANs for every host "
+                           "it is reached by; also presented to chunkservers it calls")
+    tls_key: str = option("", "the certificate's private key (PEM)")
+    insecure: bool = option(False, "plaintext gRPC: no TLS, no caller identities, no access rules; for a "
+                            "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")
     log_level: str = option("INFO", "logging level")
 

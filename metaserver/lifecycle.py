@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from kvfs import tls
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
@@ -86,7 +87,7 @@ class Lifecycle:
             return None
         address = state.record.address
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = tls.aio_channel(address, tls.from_config(self.state.cfg), CHANNEL_OPTIONS)
         return chunk_pb2_grpc.ChunkServiceStub(self._channels[address])
 
     async def close(self) -> None:

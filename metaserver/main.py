@@ -6,11 +6,11 @@ import asyncio
 import logging
 import sys
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfs.rpc import CHANNEL_OPTIONS
-from kvfs.serving import bound_address, run_server, until_signalled, watch_event_loop, write_ready_file
+from kvfs import tls
+from kvfs.serving import (bound_address, credentials, grpc_server, run_server, until_signalled,
+                          watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
@@ -27,14 +27,15 @@ async def _rebuild_later(lifecycle: Lifecycle, delay: float) -> None:
 
 
 async def serve(cfg: MetaserverConfig) -> None:
+    creds = credentials(cfg, "metaserver")
     state = MetaState(cfg)
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc_server("metaserver", creds)
     add_to_server(MetaServicer(state, lifecycle), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = bound_address(cfg.listen, server.add_insecure_port(cfg.listen))
+    address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%",

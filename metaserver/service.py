@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from kvfs.auth import check_server_id, check_tenant
 from kvfs.errors import InvalidArgument
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -21,9 +22,11 @@ from .state import MetaState
 DELETE_WAIT = 5.0
 
 
-def namespace_digest(msg: meta_pb2.Namespace) -> bytes:
+def namespace_digest(msg: meta_pb2.Namespace, context) -> bytes:
+    """The namespace's digest, once the caller's certificate allows its tenant."""
     if not msg.tenant or not msg.model:
         raise InvalidArgument("namespace needs a tenant and a model")
+    check_tenant(context, msg.tenant)
     return Namespace(msg.tenant, msg.model, msg.cache_format).digest
 
 
@@ -52,12 +55,14 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @handles_errors
     async def Register(self, request, context):
+        check_server_id(context, request.server_id)
         self.state.register(request)
         await self.state.durable()
         return meta_pb2.RegisterReply(heartbeat_interval_s=self.state.cfg.heartbeat_interval)
 
     @handles_errors
     async def Heartbeat(self, request, context):
+        check_server_id(context, request.server_id)
         known = self.state.heartbeat(request)
         if known and request.lost_chunks:  # an unknown server re-registers and sends them again
             dropped = self.state.chunks_lost(request.server_id,
@@ -73,7 +78,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     async def AllocateBlocks(self, request, context):
         evicted = self.state.evicted_blocks
-        reply = await self.state.allocate_async(namespace_digest(request.namespace), list(request.keys),
+        reply = await self.state.allocate_async(namespace_digest(request.namespace, context), list(request.keys),
                                                 request.layout, request.parent)
         await self.state.durable()
         await self._free_evicted(evicted)
@@ -82,7 +87,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     async def CommitBlocks(self, request, context):
         evicted = self.state.evicted_blocks
-        committed, already, garbage = await self.state.commit_async(namespace_digest(request.namespace), request)
+        digest = namespace_digest(request.namespace, context)
+        committed, already, garbage = await self.state.commit_async(digest, request)
         self.lifecycle.queue_deletes(garbage)
         await self.state.durable()
         await self._free_evicted(evicted)
@@ -90,7 +96,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
 
     @handles_errors
     async def MatchPrefix(self, request, context):
-        return self.state.match_bytes(namespace_digest(request.namespace), list(request.keys))
+        return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys))
 
     @handles_errors
     async def Status(self, request, context):

@@ -1,11 +1,38 @@
 """Shared fixtures: real server processes, started with the users' launcher and
-stopped at teardown whatever the test did."""
+stopped at teardown whatever the test did.
+
+Security is on in every suite, as for users. One CA serves the whole session
+($KVFS_LOCAL_CA, where the launcher issues each server's certificate), and the
+tests' own clients connect as one identity, a worker of any tenant that is also
+an admin ($KVFS_CLIENT_TLS_*, which the SDK reads), since functional tests both
+write blocks and inspect chunkservers. tests/security checks the access rules with
+single-role certificates.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
+
+from kvfs.tls import ADMIN, ANY_TENANT, WORKER, LocalCA
+
+_SESSION_TLS: list[str] = []
+
+
+def pytest_configure(config):
+    folder = tempfile.mkdtemp(prefix="kvfs-tests-ca-")
+    _SESSION_TLS.append(folder)
+    ca, cert, key = LocalCA(folder).issue_files("tests", [WORKER, ADMIN], tenants=[ANY_TENANT])
+    os.environ.update({"KVFS_LOCAL_CA": folder, "KVFS_CLIENT_TLS_CA": str(ca), "KVFS_CLIENT_TLS_CERT": str(cert),
+                       "KVFS_CLIENT_TLS_KEY": str(key)})
+
+
+def pytest_unconfigure(config):
+    for folder in _SESSION_TLS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 from kvfs.cli.launcher import ServerProcess, start_chunkserver
 

@@ -17,6 +17,15 @@ class Clock:
         return self.now
 
 
+def credentials():
+    """The suite's own identity (a worker of any tenant and an admin; tests/conftest.py
+    issues it), for raw gRPC channels: kvfs.tls.channel(address, credentials())."""
+    from kvfs.tls import Credentials
+
+    env = os.environ
+    return Credentials.from_files(env["KVFS_CLIENT_TLS_CA"], env["KVFS_CLIENT_TLS_CERT"], env["KVFS_CLIENT_TLS_KEY"])
+
+
 def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
     """Polls `condition` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout

@@ -36,6 +36,19 @@ def test_io_bench_report_shape(tmp_path):
     assert "/ raw disk" in stdout and "/ raw write" in stdout
 
 
+def test_io_bench_measures_the_cost_of_tls(tmp_path):
+    report, stdout = run(["io", "--tokens", "1024", "--layers", "4", "--rounds", "1", "--concurrency", "2",
+                          "--chunkservers", "2", "--cache", "warm", "--transport", "grpc,tcp", "--vs-insecure"],
+                         tmp_path)
+    assert report["config"]["vs_insecure"] and report["results"]["security"] == "mutual TLS"
+    costs = report["results"]["modes"]["warm"]["tls_cost"]  # restores alternating between the two clusters
+    assert [c["transport"] for c in costs] == ["grpc", "tcp"]
+    for c in costs:
+        assert c["tls_gbps"] > 0 and c["insecure_gbps"] > 0
+        assert abs(c["tls_over_insecure"] - c["tls_gbps"] / c["insecure_gbps"]) < 1e-9
+    assert "TLS / insecure" in stdout
+
+
 def test_prefix_bench_report_shape(tmp_path):
     report, stdout = run(["prefix", "--tokens", "1024", "--rounds", "1", "--lookup-blocks", "40"], tmp_path)
     r = report["results"]
@@ -102,7 +115,10 @@ def test_trace_bench_replays_a_mooncake_format_trace(tmp_path):
         {"timestamp": 40, "input_length": 900, "output_length": 1, "hash_ids": [9]},
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    report, stdout = run(["trace", str(trace), "--limit", "4", "--speed", "1000", "--concurrency", "1",
+    # --speed 0.02: the trace's 10 ms gaps become 500 ms, room for a write-back (allocate, write both
+    # replicas durably, commit: tens of ms here, a few more over fresh TLS connections) to land
+    # before the next request looks its blocks up; back to back, the assertions below were a race
+    report, stdout = run(["trace", str(trace), "--limit", "4", "--speed", "0.02", "--concurrency", "1",
                           "--chunkservers", "2", "--policy", "adaptive,always-recompute"], tmp_path)
     assert report["config"]["requests"] == 4
     adaptive, recompute = report["results"]

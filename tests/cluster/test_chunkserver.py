@@ -8,10 +8,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvfs import tls
 from kvfs.client import ChunkClient, chunk_checksum
 from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument, NotFound, OutOfRange
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
+
+from helpers import credentials
 
 MiB = 1 << 20
 
@@ -96,7 +99,7 @@ async def test_config_comes_from_file_env_and_flags(chunkservers, tmp_path):
 
 
 async def assert_still_serving(address: str):
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with tls.aio_channel(address, credentials()) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     async with ChunkClient(address) as client:
@@ -145,7 +148,7 @@ async def test_bad_input_gets_clear_statuses_and_the_server_serves_on(chunkserve
 
 async def test_malformed_write_streams_are_invalid(chunkservers):
     server = chunkservers()
-    async with grpc.aio.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+    async with tls.aio_channel(server.address, credentials(), CHANNEL_OPTIONS) as channel:
         stub = chunk_pb2_grpc.ChunkServiceStub(channel)
         header = chunk_pb2.ChunkHeader(chunk_id=b"m", length=10, checksum=chunk_checksum(b"0123456789"))
         cases = {

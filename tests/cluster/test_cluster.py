@@ -7,13 +7,14 @@ import shutil
 import grpc
 import pytest
 
+from kvfs import tls
 from kvfs.client import BufferPool, ChunkClient, Client, SyncClient
 from kvfs.errors import InvalidArgument, NotFound
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-from helpers import layer_major, restore_all, tokens_for, wait_until
+from helpers import credentials, layer_major, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v2-lite")
 MLA = BlockLayout.mla()  # 1.9 MB blocks, two chunks each
@@ -93,7 +94,7 @@ async def test_concurrent_writers_of_one_prefix_one_wins_whole(local_cluster):
         out, _, _ = await restore_all(client, await client.lookup(NS, tokens), SMALL)
         assert bytes(out) in {bytes(c) for c in candidates}
         # the losers' chunks are garbage: after a lifecycle round only the winner's remain
-        with grpc.insecure_channel(cluster.meta_address) as ch:
+        with tls.channel(cluster.meta_address, credentials()) as ch:
             meta_pb2_grpc.MetaServiceStub(ch).RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=30)
         assert await chunks_on_disk(cluster) == 4 * 2  # 4 one-chunk blocks, 2 replicas
 
@@ -141,7 +142,7 @@ async def test_ttl_expiry_hides_blocks_and_frees_chunk_space(local_cluster):
         assert (await client.lookup(NS, tokens)).matched == 3
         # poll with RunLifecycle, not lookups: a lookup hit refreshes the TTL
         deleted = []
-        with grpc.insecure_channel(cluster.meta_address) as ch:
+        with tls.channel(cluster.meta_address, credentials()) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
 
             def expired():
@@ -163,7 +164,7 @@ async def test_orphans_and_abandoned_allocations_are_collected(local_cluster):
     async with Client(cluster.meta_address) as client:
         await client.write(NS, tokens, os.urandom(SMALL.buffer_bytes(2 * 64)), SMALL)
         # a writer that crashed after writing its chunks, before committing
-        with grpc.insecure_channel(cluster.meta_address) as ch:
+        with tls.channel(cluster.meta_address, credentials()) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
             crashed = stub.AllocateBlocks(meta_pb2.AllocateBlocksRequest(
                 namespace=meta_pb2.Namespace(tenant=NS.tenant, model=NS.model, cache_format=NS.cache_format),
@@ -175,7 +176,7 @@ async def test_orphans_and_abandoned_allocations_are_collected(local_cluster):
         # and a chunk nobody allocated at all
         stray = cluster.chunkservers[0].address
         await client.chunkserver(stray).write(b"stray-chunk-00001", b"y" * 1000)
-        with grpc.insecure_channel(cluster.meta_address) as ch:
+        with tls.channel(cluster.meta_address, credentials()) as ch:
             stub = meta_pb2_grpc.MetaServiceStub(ch)
             first = stub.RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=30)
             assert first.deleted_chunks == 0  # within the grace period and the allocation's life
@@ -209,7 +210,7 @@ async def test_rebuild_from_chunkserver_inventories(local_cluster):
     print("injected: metaserver database wiped")
     cluster.start_metaserver()
     cluster.wait_live(3, timeout=30)  # chunkservers notice and register again
-    with grpc.insecure_channel(cluster.meta_address) as ch:
+    with tls.channel(cluster.meta_address, credentials()) as ch:
         reply = meta_pb2_grpc.MetaServiceStub(ch).Rebuild(meta_pb2.RebuildRequest(), timeout=60)
     assert reply.blocks_restored == 8 and reply.blocks_incomplete == 0
     async with Client(cluster.meta_address) as client:
@@ -223,7 +224,7 @@ async def test_rebuild_from_chunkserver_inventories(local_cluster):
 async def test_metaserver_bad_input_gets_clear_statuses(local_cluster):
     cluster = local_cluster()
     ns = meta_pb2.Namespace(tenant="t", model="m")
-    async with grpc.aio.insecure_channel(cluster.meta_address) as ch:
+    async with tls.aio_channel(cluster.meta_address, credentials()) as ch:
         stub = meta_pb2_grpc.MetaServiceStub(ch)
         cases = [
             (stub.MatchPrefix, meta_pb2.MatchPrefixRequest(namespace=ns, keys=[b"short"]), "16 bytes"),
@@ -231,13 +232,19 @@ async def test_metaserver_bad_input_gets_clear_statuses(local_cluster):
             (stub.AllocateBlocks, meta_pb2.AllocateBlocksRequest(namespace=ns, keys=[b"k" * 16],
                                                                  layout=meta_pb2.BlockLayout()), "layout"),
             (stub.CommitBlocks, meta_pb2.CommitBlocksRequest(namespace=ns, allocation_id=b"nope"), "allocation"),
-            (stub.Register, meta_pb2.RegisterRequest(), "server_id"),
         ]
         for method, request, text in cases:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await method(request, timeout=10)
             assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
             assert text in info.value.details()
+    # Register is servers' only: a server certificate sends the bad request
+    async with tls.aio_channel(cluster.meta_address, cluster.credentials("cs-x", ["server"], hosts=["h"])) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await meta_pb2_grpc.MetaServiceStub(ch).Register(meta_pb2.RegisterRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "server_id" in info.value.details()
+    async with tls.aio_channel(cluster.meta_address, credentials()) as ch:
+        stub = meta_pb2_grpc.MetaServiceStub(ch)
         assert (await stub.Status(meta_pb2.StatusRequest(), timeout=10)).replicas == 2  # still serving
     assert "INVALID_ARGUMENT" in cluster.meta.log_path.read_text()
 

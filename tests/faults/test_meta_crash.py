@@ -7,9 +7,9 @@ import random
 import time
 from collections import defaultdict
 
-import grpc
 import pytest
 
+from kvfs import tls
 from kvfs.checksum import chunk_checksum
 from kvfs.client import ChunkClient, Client
 from kvfs.errors import DeadlineExceeded, KvfsError, Unavailable
@@ -18,7 +18,7 @@ from kvfs.cli.launcher import meta_status
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-from helpers import layer_major, restore_all, tokens_for, until
+from helpers import credentials, layer_major, restore_all, tokens_for, until
 
 NS = Namespace("acme", "meta-crash")
 # 128 KiB blocks cut into two 64 KiB chunks: a commit covers several chunks per block
@@ -52,7 +52,7 @@ def buffer_for(keys: list[bytes]) -> bytearray:
 
 
 def run_lifecycle(address: str) -> meta_pb2.RunLifecycleReply:
-    with grpc.insecure_channel(address) as ch:
+    with tls.channel(address, credentials()) as ch:
         return meta_pb2_grpc.MetaServiceStub(ch).RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=30)
 
 
@@ -211,9 +211,9 @@ async def test_metaserver_sigkill_during_commit_storm_loses_no_acknowledged_writ
           f"(writes cut short by the kill)")
 
     if rebuild:  # `kvfs rebuild`: blocks whose every chunk is on some server come back
-        with grpc.insecure_channel(cluster.meta_address) as ch:
+        with tls.channel(cluster.meta_address, credentials()) as ch:
             r = meta_pb2_grpc.MetaServiceStub(ch).Rebuild(meta_pb2.RebuildRequest(), timeout=30)
-        status = await asyncio.to_thread(meta_status, cluster.meta_address)
+        status = await asyncio.to_thread(meta_status, cluster.meta_address, credentials=cluster.admin)
         print(f"rebuild: {r.chunks_seen} chunks seen, {r.blocks_restored} blocks restored, "
               f"{r.blocks_incomplete} incomplete; {status.blocks} blocks now")
     distinct = {tuple(t) for t in attempted}
@@ -231,7 +231,7 @@ async def test_metaserver_sigkill_during_commit_storm_loses_no_acknowledged_writ
         # abandoned allocations expire and orphans are collected: committed chunks must survive it
         def collected():
             run_lifecycle(cluster.meta_address)
-            return meta_status(cluster.meta_address).open_allocations == 0
+            return meta_status(cluster.meta_address, credentials=cluster.admin).open_allocations == 0
 
         await until(lambda: asyncio.to_thread(collected), 20, "abandoned allocations to expire", interval=0.2)
         referenced = {(c.chunk_id, servers[r].id) for loc, servers in blocks.values()

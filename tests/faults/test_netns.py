@@ -92,7 +92,8 @@ async def test_host_cut_off_mid_restore_is_read_around_detected_healed_and_recon
                 tmp_path / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}", capacity="2GiB",
                 listen=f"{hosts.address(i)}:0", run_dir=tmp_path, netns=hosts.names[i],
                 extra=["--meta", meta.address]))
-        wait_until(lambda: sum(s.live for s in meta_status(meta.address).servers) == 3, 30, "3 live chunkservers")
+        wait_until(lambda: sum(s.live for s in meta_status(meta.address, credentials=meta.credentials).servers) == 3,
+                   30, "3 live chunkservers")
         print(f"hosts: metaserver {meta.address}, chunkservers {[s.address for s in started[1:]]}")
 
         tokens = tokens_for(48, seed=41)
@@ -121,7 +122,8 @@ async def test_host_cut_off_mid_restore_is_read_around_detected_healed_and_recon
                   f"{stats.retries} retried")
 
             def cs2_live():
-                return next(s.live for s in meta_status(meta.address).servers if s.id == "cs-2")
+                servers = meta_status(meta.address, credentials=meta.credentials).servers
+                return next(s.live for s in servers if s.id == "cs-2")
 
             wait_until(lambda: not cs2_live(), 30, "cs-2 detected", interval=0.1)
             detected = time.monotonic() - cut_at

@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 
+from kvfs import tls
 from kvfs.cli.launcher import meta_status
 from kvfs.client import Client
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-from helpers import tokens_for, until
+from helpers import credentials, tokens_for, until
 
 LAYOUT = BlockLayout(layers=2, block_tokens=64, kv_dim=64, dtype="bfloat16")  # 16 KiB blocks: one chunk each
 NS = Namespace("slow", "m")
@@ -38,9 +38,10 @@ async def test_slow_background_passes_never_make_live_servers_look_dead(local_cl
             await client.write(NS, tokens, bytes(LAYOUT.buffer_bytes(len(tokens))), LAYOUT, "chat")
         cluster.chunkservers[2].kill()  # its copies need repair: a pass of many slow slices
         survivors = {"cs-0", "cs-1"}
-        await until(lambda: {s.id for s in meta_status(cluster.meta.address).servers if s.live} == survivors,
+        await until(lambda: {s.id for s in meta_status(cluster.meta.address, credentials=cluster.admin).servers
+                             if s.live} == survivors,
                     timeout=15, what="cs-2 seen dead")
-        async with grpc.aio.insecure_channel(cluster.meta.address) as channel:
+        async with tls.aio_channel(cluster.meta.address, credentials()) as channel:
             meta = meta_pb2_grpc.MetaServiceStub(channel)
             lifecycle = asyncio.ensure_future(meta.RunLifecycle(meta_pb2.RunLifecycleRequest(), timeout=120))
             deadline = time.monotonic() + 4 * 3.0  # four heartbeat timeouts
@@ -59,5 +60,5 @@ async def test_slow_background_passes_never_make_live_servers_look_dead(local_cl
             await lifecycle
     assert lookups > 20
     assert slow_slices_seen > 0, "no slow slice ran: the hook did not take effect"
-    status = meta_status(cluster.meta.address)
+    status = meta_status(cluster.meta.address, credentials=cluster.admin)
     assert {s.id for s in status.servers if s.live} == survivors

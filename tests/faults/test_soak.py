@@ -252,7 +252,7 @@ async def test_soak_kills_and_restarts_chunkservers_under_concurrent_restores_an
 
             await until(fully_replicated, 90, "every chunk back on two live servers", interval=0.5)
             healed = time.monotonic() - t0
-            status = await asyncio.to_thread(meta_status, cluster.meta_address)
+            status = await asyncio.to_thread(meta_status, cluster.meta_address, credentials=cluster.admin)
             acked_keys = {k for t in acked for k in block_keys(NS, t, 64)}
             missing: set[bytes] = set()
             for tokens in acked:
