@@ -37,6 +37,8 @@ class ChunkserverConfig:
                            "id, with SANs for every host it is reached by; also presented to the metaserver and "
                            "to other chunkservers")
     tls_key: str = option("", "the certificate's private key (PEM)")
+    cluster_key: str = option("", "file holding the secret the metaserver and the chunkservers share (`kvfs "
+                              "tls ca` makes one): seals a receipt for every chunk it stores with it; required unless insecure")
     insecure: bool = option(False, "plaintext gRPC: no TLS, no caller identities, no access rules; for a "
                             "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")

@@ -10,7 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfs import tls
 from kvfs.proto import chunk_pb2_grpc
-from kvfs.serving import (bound_address, credentials, grpc_server, run_server, until_signalled,
+from kvfs.serving import (bound_address, cluster_key, credentials, grpc_server, run_server, until_signalled,
                           watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
@@ -36,7 +36,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
     advertised = cfg.advertise or address
     # the data port is advertised on the same host as gRPC
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
-    servicer = ChunkServicer(store, data_address, creds)
+    servicer = ChunkServicer(store, data_address, creds, cluster_key(cfg, f"chunkserver {cfg.id}"))
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,9 +17,11 @@ COPY_TIMEOUT = 60
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
-    def __init__(self, store: ChunkStore, data_address: str = "", creds: tls.Credentials | None = None):
+    def __init__(self, store: ChunkStore, data_address: str = "", creds: tls.Credentials | None = None,
+                 cluster_key: bytes | None = None):
         self.store = store
         self.creds = creds  # presented to CopyChunk sources
+        self.cluster_key = cluster_key  # seals write receipts; None: --insecure, no receipts
         self.data_address = data_address
         self._peers: dict[str, grpc.aio.Channel] = {}  # CopyChunk sources
 
@@ -58,7 +60,10 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                                   f"header announced {header.length}")
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one message: no copy
         created = await self.store.write(header.chunk_id, data, header.checksum, header.owner)
-        return chunk_pb2.WriteChunkReply(created=created)
+        # what the writer shows the metaserver at commit: this server stored these bytes
+        receipt = (tls.seal(self.cluster_key, tls.RECEIPT, header.chunk_id, header.checksum, self.store.cfg.id)
+                   if self.cluster_key else b"")
+        return chunk_pb2.WriteChunkReply(created=created, receipt=receipt)
 
     async def ReadChunks(self, request, context):
         # A streaming handler cannot use @handles_errors's return path: errors abort here.

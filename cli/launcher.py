@@ -97,7 +97,7 @@ def _secure(name: str, args: list[str], listen: str, ca: LocalCA | None,
         hosts.append(args[args.index("--advertise") + 1].rsplit(":", 1)[0].strip("[]"))
     paths = ca.issue_files(name, [SERVER], hosts=[h for h in hosts if h not in ("", "0.0.0.0", "::")])
     return [*args, *(x for flag, path in zip(("--tls-ca", "--tls-cert", "--tls-key"), paths)
-                     for x in (flag, str(path)))], admin_credentials(ca)
+                     for x in (flag, str(path))), "--cluster-key", str(ca.key_path)], admin_credentials(ca)
 
 
 def wait_healthy(address: str, timeout: float = 30, credentials: Credentials | None = None) -> None:

@@ -249,7 +249,9 @@ def _tls(args) -> int:
         if (folder / "ca.key").exists():
             raise InvalidArgument(f"{folder}/ca.key exists: a CA is made once (remove it to start over)")
         tls.Authority.create(args.name).save(folder)
-        print(f"CA certificate {folder}/ca.pem, key {folder}/ca.key (keep the key off the cluster's machines)")
+        tls.make_cluster_key(folder / tls.CLUSTER_KEY)
+        print(f"CA certificate {folder}/ca.pem, key {folder}/ca.key (keep the key off the cluster's machines); "
+              f"cluster key {folder}/{tls.CLUSTER_KEY} (every server's --cluster-key; no worker's)")
         return 0
     try:
         authority = tls.Authority.load(folder)

@@ -49,6 +49,11 @@ class ChunkClient:
     async def write(self, chunk_id: bytes, data: bytes | bytearray | memoryview,
                     owner: bytes = b"", checksum: int | None = None, timeout: float = 60) -> bool:
         """Writes a chunk durably; returns False if an identical one was there."""
+        return (await self.store(chunk_id, data, owner, checksum, timeout)).created
+
+    async def store(self, chunk_id: bytes, data: bytes | bytearray | memoryview,
+                    owner: bytes = b"", checksum: int | None = None, timeout: float = 60) -> chunk_pb2.WriteChunkReply:
+        """write(), returning the server's reply: with its receipt for CommitBlocks."""
         view = memoryview(data)
         header = chunk_pb2.ChunkHeader(
             chunk_id=chunk_id, length=len(view), owner=owner,
@@ -59,8 +64,7 @@ class ChunkClient:
             for pos in range(WRITE_PIECE, len(view), WRITE_PIECE):
                 yield chunk_pb2.WriteChunkRequest(data=bytes(view[pos : pos + WRITE_PIECE]))
 
-        reply = await self._call(self._stub.WriteChunk(messages(), timeout=timeout))
-        return reply.created
+        return await self._call(self._stub.WriteChunk(messages(), timeout=timeout))
 
     async def read(self, ranges: Sequence[tuple[bytes, int, int]],
                    timeout: float = 60) -> list[chunk_pb2.RangeResult]:

@@ -244,9 +244,10 @@ class Client:
                 owner = meta_pb2.ChunkOwner(namespace_digest=namespace.digest, block_key=block.key,
                                             chunk_index=len(entry.chunk_checksums) - 1,
                                             chunk_count=len(block.chunks), layout=_layout_msg(layout),
-                                            ttl_class=ttl_class, chunk_size=alloc.chunk_size).SerializeToString()
+                                            ttl_class=ttl_class, chunk_size=alloc.chunk_size,
+                                            seal=placement.owner_seal).SerializeToString()
                 for address in placement.addresses:
-                    jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh))
+                    jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh, entry))
                 written += span.length
         if not commit.blocks:  # another writer committed all of them since our lookup
             return WriteResult(0, len(alloc.blocks), 0, time.perf_counter() - t0)
@@ -262,9 +263,11 @@ class Client:
         already = sum(b.already_present for b in alloc.blocks) + reply.already_present
         return WriteResult(reply.committed, already, written, time.perf_counter() - t0)
 
-    async def _write_chunk(self, limit, address, chunk_id, data, owner, xxh) -> None:
+    async def _write_chunk(self, limit, address, chunk_id, data, owner, xxh, entry) -> None:
         async with limit:
-            await self.chunkserver(address).write(chunk_id, data, owner=owner, checksum=xxh, timeout=self.timeout)
+            reply = await self.chunkserver(address).store(chunk_id, data, owner, xxh, timeout=self.timeout)
+        if reply.receipt:  # none from an --insecure chunkserver
+            entry.receipts.append(reply.receipt)
 
     async def status(self) -> meta_pb2.StatusReply:
         """Servers, liveness, capacity, blocks and bytes, as the metaserver sees them."""

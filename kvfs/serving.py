@@ -40,6 +40,19 @@ def credentials(cfg, name: str) -> tls.Credentials | None:
     return creds
 
 
+def cluster_key(cfg, name: str) -> bytes | None:
+    """The cluster key a config's `cluster_key` file holds; None with `insecure` (no
+    seals are made or checked). Exits with the reason when it is missing."""
+    if cfg.insecure:
+        return None
+    if not cfg.cluster_key:
+        raise SystemExit(f"{name}: no --cluster-key: the secret the servers share (kvfs tls ca makes one)")
+    try:
+        return tls.load_cluster_key(cfg.cluster_key)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"{name}: cluster key: {err}") from None
+
+
 def grpc_server(name: str, creds: tls.Credentials | None) -> grpc.aio.Server:
     """A gRPC server whose every call is checked against kvfs.auth.RULES (none over
     plaintext: an --insecure server has no identities to check)."""

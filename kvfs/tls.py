@@ -20,8 +20,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
+import hmac
 import ipaddress
 import os
+import secrets
 import pathlib
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
@@ -135,6 +138,40 @@ def from_config(cfg) -> Credentials | None:
     if cfg.insecure:
         return None
     return Credentials.from_files(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+
+
+# ---- the cluster key: seals the servers give each other ----------------------
+
+CLUSTER_KEY = "cluster.key"  # beside the CA in a LocalCA folder and in what `kvfs tls ca` writes
+SEAL_BYTES = 16
+RECEIPT, OWNER = b"kvfs-receipt", b"kvfs-owner"  # what a seal vouches for: a stored copy; an owner record
+
+
+def make_cluster_key(path: str | os.PathLike) -> None:
+    """A fresh secret shared by the metaserver and the chunkservers (hex, 0600)."""
+    _write(pathlib.Path(path), secrets.token_hex(32).encode() + b"\n", private=True)
+
+
+def load_cluster_key(path: str | os.PathLike) -> bytes:
+    key = bytes.fromhex(pathlib.Path(path).read_text().strip())
+    if len(key) < 16:
+        raise ValueError(f"{path}: a cluster key needs at least 16 bytes")
+    return key
+
+
+def seal(key: bytes, kind: bytes, *parts: bytes | int | str) -> bytes:
+    """An HMAC-SHA256 (first SEAL_BYTES) of `kind` and the parts, each length-prefixed:
+    what one kvfs server vouches for to another (an owner record the metaserver
+    issued; a chunk a chunkserver stored)."""
+    mac = hmac.new(key, kind, hashlib.sha256)
+    for p in parts:
+        raw = p.to_bytes(8, "little") if isinstance(p, int) else p.encode() if isinstance(p, str) else p
+        mac.update(len(raw).to_bytes(4, "little") + raw)
+    return mac.digest()[:SEAL_BYTES]
+
+
+def sealed(key: bytes, tag: bytes, kind: bytes, *parts: bytes | int | str) -> bool:
+    return hmac.compare_digest(tag, seal(key, kind, *parts))
 
 
 def aio_channel(address: str, credentials: Credentials | None, options: Sequence = ()) -> grpc.aio.Channel:
@@ -262,6 +299,12 @@ class LocalCA:
         else:
             self.authority = Authority.create(f"kvfs local CA ({self.folder.name})")
             self.authority.save(self.folder)
+        if not self.key_path.exists():
+            make_cluster_key(self.key_path)
+
+    @property
+    def key_path(self) -> pathlib.Path:
+        return self.folder / CLUSTER_KEY
 
     def issue_files(self, name: str, roles: Iterable[str], *, tenants: Iterable[str] = (),
                     hosts: Iterable[str] = ()) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:

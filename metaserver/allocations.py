@@ -15,6 +15,7 @@ from rocksdict import WriteBatch
 
 from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvfs.keys import KEY_BYTES
+from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
 
 from .blocks import BlockTable, footprint, layout_of
@@ -22,7 +23,7 @@ from .chains import Placer
 from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership
-from .records import ALLOC, Row
+from .records import ALLOC, Row, owner_seal
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
 
 class Allocations:
     def __init__(self, cfg: MetaserverConfig, db: MetaDB, members: Membership, blocks: BlockTable,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], key: bytes | None = None):
         self.cfg = cfg
+        self.key = key  # the cluster key: seals owner records, checks write receipts; None: --insecure
         self.db = db
         self.members = members
         self.blocks = blocks
@@ -122,10 +124,12 @@ class Allocations:
                 continue
             record.keys.append(key)
             record.parents.append(block_parent)
-            for span, chain in zip(spans, placer.place_block([s.length for s in spans])):
+            for index, (span, chain) in enumerate(zip(spans, placer.place_block([s.length for s in spans]))):
                 cid = os.urandom(16)
+                seal = (owner_seal(self.key, namespace_digest + key, index, len(spans), layout_msg,
+                                   self.cfg.chunk_size, cid) if self.key else b"")
                 block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
-                                 addresses=[live[s].record.address for s in chain])
+                                 addresses=[live[s].record.address for s in chain], owner_seal=seal)
                 record.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain)
                 for s in chain:
                     live[s].pending_bytes += span.length
@@ -175,6 +179,8 @@ class Allocations:
             if i and i % COMMIT_PIECE == 0:
                 yield
             full = namespace_digest + block.key
+            if self.key:
+                self._check_receipts(block, chunks_by_key[block.key])
             stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
                       for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
             rows[full] = self.blocks.new_row(full, alloc.record.layout, stored, parents[block.key], ttl_class, now)
@@ -213,6 +219,18 @@ class Allocations:
         self.db.write(batch)
         del self.open[req.allocation_id]
         return committed, already, garbage
+
+    def _check_receipts(self, block: meta_pb2.CommitBlock, chunks) -> None:
+        """Every server a chunk of the block was placed on must have sealed a receipt
+        for it with the committed checksum (WriteChunkReply.receipt): no block is
+        committed whose chunks were never written, or were written with other bytes."""
+        receipts = set(block.receipts)
+        for c, xxh in zip(chunks, block.chunk_checksums):
+            for server in c.servers:
+                if seal(self.key, RECEIPT, c.chunk_id, xxh, server) not in receipts:
+                    raise FailedPrecondition(f"block {block.key.hex()}: no receipt from {server} for chunk "
+                                             f"{c.chunk_id.hex()[:16]} with checksum {xxh:#018x}: it was not "
+                                             f"stored there as committed; nothing of this commit was committed")
 
     def expire(self) -> tuple[int, list]:
         now = self.clock()

@@ -60,6 +60,8 @@ class MetaserverConfig:
     tls_cert: str = option("", "the metaserver's certificate (PEM): a server certificate with SANs for every host "
                            "it is reached by; also presented to chunkservers it calls")
     tls_key: str = option("", "the certificate's private key (PEM)")
+    cluster_key: str = option("", "file holding the secret the metaserver and the chunkservers share (`kvfs "
+                              "tls ca` makes one): seals owner records and checks chunkservers' write receipts with it; required unless insecure")
     insecure: bool = option(False, "plaintext gRPC: no TLS, no caller identities, no access rules; for a "
                             "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")

@@ -255,4 +255,7 @@ class Lifecycle:
                     break
                 restored, incomplete = restored + r, incomplete + i
             log.info("rebuild: %d chunks seen, %d blocks restored, %d incomplete", seen, restored, incomplete)
+            if self.state.forged_owners:
+                log.warning("rebuild: ignored %d chunks whose owner records the metaserver did not seal (written "
+                            "outside an allocation, or under another cluster key)", self.state.forged_owners)
             return meta_pb2.RebuildReply(blocks_restored=restored, blocks_incomplete=incomplete, chunks_seen=seen)

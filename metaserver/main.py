@@ -9,7 +9,7 @@ import sys
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfs import tls
-from kvfs.serving import (bound_address, credentials, grpc_server, run_server, until_signalled,
+from kvfs.serving import (bound_address, cluster_key, credentials, grpc_server, run_server, until_signalled,
                           watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
@@ -28,7 +28,7 @@ async def _rebuild_later(lifecycle: Lifecycle, delay: float) -> None:
 
 async def serve(cfg: MetaserverConfig) -> None:
     creds = credentials(cfg, "metaserver")
-    state = MetaState(cfg)
+    state = MetaState(cfg, key=cluster_key(cfg, "metaserver"))
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
     server = grpc_server("metaserver", creds)

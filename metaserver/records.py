@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from kvfs import tls
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
@@ -227,6 +228,21 @@ def server_entry(record: meta_pb2.ServerRecord | None) -> bytes:
     body = meta_pb2.Server(id=record.id, address=record.address, failure_domain=record.failure_domain,
                            data_address=record.data_address).SerializeToString()
     return b"\x1a" + _varint(len(body)) + body
+
+
+def owner_seal(key: bytes, full: bytes, index: int, count: int, layout: meta_pb2.BlockLayout, chunk_size: int,
+               chunk_id: bytes) -> bytes:
+    """The metaserver's seal on a chunk's owner record (ChunkOwner.seal): everything
+    in it but the TTL class, and the chunk id, so a rebuild takes from an inventory
+    only owner records the metaserver issued, each for its own chunk."""
+    return tls.seal(key, tls.OWNER, full[:KEY_BYTES], full[KEY_BYTES:], index, count, layout.layers,
+                    layout.block_tokens, layout.kv_dim, layout.dtype, chunk_size, chunk_id)
+
+
+def owner_sealed(key: bytes, owner: meta_pb2.ChunkOwner, chunk_id: bytes) -> bool:
+    return tls.sealed(key, owner.seal, tls.OWNER, owner.namespace_digest, owner.block_key, owner.chunk_index,
+                      owner.chunk_count, owner.layout.layers, owner.layout.block_tokens, owner.layout.kv_dim,
+                      owner.layout.dtype, owner.chunk_size, chunk_id)
 
 
 def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:

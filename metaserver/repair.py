@@ -37,7 +37,7 @@ from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
 from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle
-from .records import parse_owner
+from .records import owner_seal, parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,9 @@ class Repairer:
             owner = meta_pb2.ChunkOwner(namespace_digest=r.full_key[:-KEY_BYTES], block_key=r.full_key[-KEY_BYTES:],
                                         chunk_index=r.index, chunk_count=r.count, layout=r.layout,
                                         ttl_class=r.ttl_class, chunk_size=self.state.cfg.chunk_size)
+            if self.state.key:
+                owner.seal = owner_seal(self.state.key, r.full_key, r.index, r.count, r.layout,
+                                        self.state.cfg.chunk_size, r.chunk.chunk_id)
             try:
                 await self.lifecycle._stub(target).CopyChunk(chunk_pb2.CopyChunkRequest(
                     chunk_id=r.chunk.chunk_id, source=source, length=r.chunk.length, checksum=r.chunk.checksum,

@@ -67,18 +67,20 @@ __all__ = ["MetaState", "Repair", "ServerState"]
 
 
 class MetaState:
-    def __init__(self, cfg: MetaserverConfig, clock: Callable[[], float] = time.time):
+    def __init__(self, cfg: MetaserverConfig, clock: Callable[[], float] = time.time, key: bytes | None = None):
         self.cfg = cfg
+        self.key = key  # the cluster key (kvfs.tls): None on an --insecure metaserver, which seals nothing
         self.clock = clock
         self.db = MetaDB(cfg.data_dir, cfg.cache_size)
         self.members = Membership(cfg, self.db, clock)
         self.blocks = BlockTable(cfg, self.db, self.members, clock)
-        self.allocations = Allocations(cfg, self.db, self.members, self.blocks, clock)
+        self.allocations = Allocations(cfg, self.db, self.members, self.blocks, clock, key)
         self.undeleted: dict[str, dict[bytes, int]] = {}  # server id -> chunk id -> bytes: deletes to send
         self.undeleted_bytes: dict[str, int] = {}  # server id -> the sum of its undeleted bytes
         self.queued_deletes = 0
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
+        self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
         self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))
@@ -424,6 +426,9 @@ class MetaState:
         for info in chunks:
             owner = parse_owner(info.owner)
             if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF:
+                continue
+            if self.key and not records.owner_sealed(self.key, owner, info.chunk_id):
+                self.forged_owners += 1  # not an owner record this metaserver issued for this chunk
                 continue
             batch.put(*records.staged_chunk(owner.namespace_digest + owner.block_key, owner.chunk_index, server,
                                             info.chunk_id, info.length, info.checksum, info.created, info.owner))

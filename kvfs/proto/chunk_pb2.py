@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63hunk.proto\x12\nkvfs.chunk\"e\n\x10\x43opyChunkRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\r\n\x05owner\x18\x05 \x01(\x0c\"0\n\x0e\x43opyChunkReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"P\n\x0b\x43hunkHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\x0c\"J\n\x11WriteChunkRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvfs.chunk.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\"\n\x0fWriteChunkReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"=\n\tReadRange\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x11ReadChunksRequest\x12%\n\x06ranges\x18\x01 \x03(\x0b\x32\x15.kvfs.chunk.ReadRange\"\x90\x01\n\x0bRangeResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63hunk_length\x18\x04 \x01(\x04\x12\x16\n\x0e\x63hunk_checksum\x18\x05 \x01(\x04\x12\r\n\x05index\x18\x06 \x01(\r\x12\x17\n\x0f\x62lock_checksums\x18\x07 \x03(\x06\"(\n\x13\x44\x65leteChunksRequest\x12\x11\n\tchunk_ids\x18\x01 \x03(\x0c\"7\n\x11\x44\x65leteChunksReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x01(\r\"7\n\x11ListChunksRequest\x12\x13\n\x0bstart_after\x18\x01 \x01(\x0c\x12\r\n\x05limit\x18\x02 \x01(\r\"_\n\tChunkInfo\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\x12\r\n\x05owner\x18\x05 \x01(\x0c\"R\n\x0fListChunksReply\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.kvfs.chunk.ChunkInfo\x12\x18\n\x10next_start_after\x18\x02 \x01(\x0c\"\r\n\x0bStatRequest\"\xe7\x01\n\nIoCounters\x12\r\n\x05reads\x18\x01 \x01(\x04\x12\x12\n\nread_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06writes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x65letes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63hecksum_errors\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x16\n\x0escrubbed_bytes\x18\x08 \x01(\x04\x12\x14\n\x0cscrub_passes\x18\t \x01(\x04\x12\x1e\n\x16\x63orrupt_chunks_removed\x18\n \x01(\x04\"\xf4\x01\n\tStatReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x06 \x01(\x04\x12\x11\n\tio_engine\x18\x07 \x01(\t\x12\x0f\n\x07io_mode\x18\x08 \x01(\t\x12(\n\x08\x63ounters\x18\t \x01(\x0b\x32\x16.kvfs.chunk.IoCounters\x12\x14\n\x0c\x64\x61ta_address\x18\n \x01(\t2\xbb\x03\n\x0c\x43hunkService\x12J\n\nWriteChunk\x12\x1d.kvfs.chunk.WriteChunkRequest\x1a\x1b.kvfs.chunk.WriteChunkReply(\x01\x12\x46\n\nReadChunks\x12\x1d.kvfs.chunk.ReadChunksRequest\x1a\x17.kvfs.chunk.RangeResult0\x01\x12N\n\x0c\x44\x65leteChunks\x12\x1f.kvfs.chunk.DeleteChunksRequest\x1a\x1d.kvfs.chunk.DeleteChunksReply\x12H\n\nListChunks\x12\x1d.kvfs.chunk.ListChunksRequest\x1a\x1b.kvfs.chunk.ListChunksReply\x12\x36\n\x04Stat\x12\x17.kvfs.chunk.StatRequest\x1a\x15.kvfs.chunk.StatReply\x12\x45\n\tCopyChunk\x12\x1c.kvfs.chunk.CopyChunkRequest\x1a\x1a.kvfs.chunk.CopyChunkReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x63hunk.proto\x12\nkvfs.chunk\"e\n\x10\x43opyChunkRequest\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06length\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\x12\r\n\x05owner\x18\x05 \x01(\x0c\"0\n\x0e\x43opyChunkReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"P\n\x0b\x43hunkHeader\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\x0c\"J\n\x11WriteChunkRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.kvfs.chunk.ChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"3\n\x0fWriteChunkReply\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07receipt\x18\x02 \x01(\x0c\"=\n\tReadRange\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\":\n\x11ReadChunksRequest\x12%\n\x06ranges\x18\x01 \x03(\x0b\x32\x15.kvfs.chunk.ReadRange\"\x90\x01\n\x0bRangeResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63hunk_length\x18\x04 \x01(\x04\x12\x16\n\x0e\x63hunk_checksum\x18\x05 \x01(\x04\x12\r\n\x05index\x18\x06 \x01(\r\x12\x17\n\x0f\x62lock_checksums\x18\x07 \x03(\x06\"(\n\x13\x44\x65leteChunksRequest\x12\x11\n\tchunk_ids\x18\x01 \x03(\x0c\"7\n\x11\x44\x65leteChunksReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x11\n\tnot_found\x18\x02 \x01(\r\"7\n\x11ListChunksRequest\x12\x13\n\x0bstart_after\x18\x01 \x01(\x0c\x12\r\n\x05limit\x18\x02 \x01(\r\"_\n\tChunkInfo\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x0c\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x01\x12\r\n\x05owner\x18\x05 \x01(\x0c\"R\n\x0fListChunksReply\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.kvfs.chunk.ChunkInfo\x12\x18\n\x10next_start_after\x18\x02 \x01(\x0c\"\r\n\x0bStatRequest\"\xe7\x01\n\nIoCounters\x12\r\n\x05reads\x18\x01 \x01(\x04\x12\x12\n\nread_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06writes\x18\x03 \x01(\x04\x12\x13\n\x0bwrite_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07\x64\x65letes\x18\x05 \x01(\x04\x12\x17\n\x0f\x63hecksum_errors\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x16\n\x0escrubbed_bytes\x18\x08 \x01(\x04\x12\x14\n\x0cscrub_passes\x18\t \x01(\x04\x12\x1e\n\x16\x63orrupt_chunks_removed\x18\n \x01(\x04\"\xf4\x01\n\tStatReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nused_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x61llocated_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63hunk_count\x18\x06 \x01(\x04\x12\x11\n\tio_engine\x18\x07 \x01(\t\x12\x0f\n\x07io_mode\x18\x08 \x01(\t\x12(\n\x08\x63ounters\x18\t \x01(\x0b\x32\x16.kvfs.chunk.IoCounters\x12\x14\n\x0c\x64\x61ta_address\x18\n \x01(\t2\xbb\x03\n\x0c\x43hunkService\x12J\n\nWriteChunk\x12\x1d.kvfs.chunk.WriteChunkRequest\x1a\x1b.kvfs.chunk.WriteChunkReply(\x01\x12\x46\n\nReadChunks\x12\x1d.kvfs.chunk.ReadChunksRequest\x1a\x17.kvfs.chunk.RangeResult0\x01\x12N\n\x0c\x44\x65leteChunks\x12\x1f.kvfs.chunk.DeleteChunksRequest\x1a\x1d.kvfs.chunk.DeleteChunksReply\x12H\n\nListChunks\x12\x1d.kvfs.chunk.ListChunksRequest\x1a\x1b.kvfs.chunk.ListChunksReply\x12\x36\n\x04Stat\x12\x17.kvfs.chunk.StatRequest\x1a\x15.kvfs.chunk.StatReply\x12\x45\n\tCopyChunk\x12\x1c.kvfs.chunk.CopyChunkRequest\x1a\x1a.kvfs.chunk.CopyChunkReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WRITECHUNKREQUEST']._serialized_start=262
   _globals['_WRITECHUNKREQUEST']._serialized_end=336
   _globals['_WRITECHUNKREPLY']._serialized_start=338
-  _globals['_WRITECHUNKREPLY']._serialized_end=372
-  _globals['_READRANGE']._serialized_start=374
-  _globals['_READRANGE']._serialized_end=435
-  _globals['_READCHUNKSREQUEST']._serialized_start=437
-  _globals['_READCHUNKSREQUEST']._serialized_end=495
-  _globals['_RANGERESULT']._serialized_start=498
-  _globals['_RANGERESULT']._serialized_end=642
-  _globals['_DELETECHUNKSREQUEST']._serialized_start=644
-  _globals['_DELETECHUNKSREQUEST']._serialized_end=684
-  _globals['_DELETECHUNKSREPLY']._serialized_start=686
-  _globals['_DELETECHUNKSREPLY']._serialized_end=741
-  _globals['_LISTCHUNKSREQUEST']._serialized_start=743
-  _globals['_LISTCHUNKSREQUEST']._serialized_end=798
-  _globals['_CHUNKINFO']._serialized_start=800
-  _globals['_CHUNKINFO']._serialized_end=895
-  _globals['_LISTCHUNKSREPLY']._serialized_start=897
-  _globals['_LISTCHUNKSREPLY']._serialized_end=979
-  _globals['_STATREQUEST']._serialized_start=981
-  _globals['_STATREQUEST']._serialized_end=994
-  _globals['_IOCOUNTERS']._serialized_start=997
-  _globals['_IOCOUNTERS']._serialized_end=1228
-  _globals['_STATREPLY']._serialized_start=1231
-  _globals['_STATREPLY']._serialized_end=1475
-  _globals['_CHUNKSERVICE']._serialized_start=1478
-  _globals['_CHUNKSERVICE']._serialized_end=1921
+  _globals['_WRITECHUNKREPLY']._serialized_end=389
+  _globals['_READRANGE']._serialized_start=391
+  _globals['_READRANGE']._serialized_end=452
+  _globals['_READCHUNKSREQUEST']._serialized_start=454
+  _globals['_READCHUNKSREQUEST']._serialized_end=512
+  _globals['_RANGERESULT']._serialized_start=515
+  _globals['_RANGERESULT']._serialized_end=659
+  _globals['_DELETECHUNKSREQUEST']._serialized_start=661
+  _globals['_DELETECHUNKSREQUEST']._serialized_end=701
+  _globals['_DELETECHUNKSREPLY']._serialized_start=703
+  _globals['_DELETECHUNKSREPLY']._serialized_end=758
+  _globals['_LISTCHUNKSREQUEST']._serialized_start=760
+  _globals['_LISTCHUNKSREQUEST']._serialized_end=815
+  _globals['_CHUNKINFO']._serialized_start=817
+  _globals['_CHUNKINFO']._serialized_end=912
+  _globals['_LISTCHUNKSREPLY']._serialized_start=914
+  _globals['_LISTCHUNKSREPLY']._serialized_end=996
+  _globals['_STATREQUEST']._serialized_start=998
+  _globals['_STATREQUEST']._serialized_end=1011
+  _globals['_IOCOUNTERS']._serialized_start=1014
+  _globals['_IOCOUNTERS']._serialized_end=1245
+  _globals['_STATREPLY']._serialized_start=1248
+  _globals['_STATREPLY']._serialized_end=1492
+  _globals['_CHUNKSERVICE']._serialized_start=1495
+  _globals['_CHUNKSERVICE']._serialized_end=1938
 # @@protoc_insertion_point(module_scope)

@@ -49,10 +49,12 @@ class WriteChunkRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WriteChunkReply(_message.Message):
-    __slots__ = ("created",)
+    __slots__ = ("created", "receipt")
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     created: bool
-    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, created: _Optional[bool] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class ReadRange(_message.Message):
     __slots__ = ("chunk_id", "offset", "length")

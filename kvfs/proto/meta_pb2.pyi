@@ -29,7 +29,7 @@ class BlockLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ChunkOwner(_message.Message):
-    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size")
+    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size", "seal")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class ChunkOwner(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     block_key: bytes
     chunk_index: int
@@ -44,7 +45,8 @@ class ChunkOwner(_message.Message):
     layout: BlockLayout
     ttl_class: str
     chunk_size: int
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    seal: bytes
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ..., seal: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes", "data_address")
@@ -109,18 +111,20 @@ class AllocateBlocksRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class ChunkPlacement(_message.Message):
-    __slots__ = ("chunk_id", "offset", "length", "servers", "addresses")
+    __slots__ = ("chunk_id", "offset", "length", "servers", "addresses", "owner_seal")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SEAL_FIELD_NUMBER: _ClassVar[int]
     chunk_id: bytes
     offset: int
     length: int
     servers: _containers.RepeatedScalarFieldContainer[str]
     addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    owner_seal: bytes
+    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., owner_seal: _Optional[bytes] = ...) -> None: ...
 
 class BlockAllocation(_message.Message):
     __slots__ = ("key", "already_present", "chunks")
@@ -145,12 +149,14 @@ class AllocateBlocksReply(_message.Message):
     def __init__(self, allocation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockAllocation, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
 
 class CommitBlock(_message.Message):
-    __slots__ = ("key", "chunk_checksums")
+    __slots__ = ("key", "chunk_checksums", "receipts")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPTS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[bytes] = ..., chunk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    receipts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, key: _Optional[bytes] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., receipts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitBlocksRequest(_message.Message):
     __slots__ = ("namespace", "allocation_id", "blocks", "ttl_class")

@@ -262,6 +262,41 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
     assert_metadata_consistent(state)
 
 
+def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
+    import os
+
+    from kvfs.metaserver import records
+    from kvfs.proto import chunk_pb2
+
+    state = make_state()
+    state.key = state.allocations.key = os.urandom(32)  # as --cluster-key gives it
+    keys = block_keys(NS, range(12), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    placed = [(b.key, c) for b in alloc.blocks for c in b.chunks]
+    assert all(len(c.owner_seal) == 16 for _, c in placed)  # every allocated chunk's owner record is sealed
+
+    def info(key, chunk_id, seal, **change):
+        owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=key, chunk_index=0, chunk_count=1,
+                                    layout=LAYOUT_MSG, ttl_class="chat", chunk_size=64 * 1024, seal=seal)
+        for field, value in change.items():
+            setattr(owner, field, value)
+        return chunk_pb2.ChunkInfo(chunk_id=chunk_id, length=LAYOUT.payload_bytes, checksum=5, created=900.0,
+                                   owner=owner.SerializeToString())
+
+    (k0, c0), (k1, c1), (k2, c2) = placed
+    state.rebuild_begin()
+    staged = state.rebuild_stage("cs-0", [
+        info(k0, c0.chunk_id, c0.owner_seal),  # as the writer stored it: taken
+        info(k1, c1.chunk_id, b""),  # no seal
+        info(k2, c2.chunk_id, os.urandom(16)),  # a made-up seal
+        info(k1, c0.chunk_id, c0.owner_seal),  # a real seal moved onto another block's record
+        info(k2, c2.chunk_id, c2.owner_seal, block_key=b"x" * 16),  # a sealed record, edited
+    ])
+    assert staged == 1 and state.forged_owners == 4
+    assert records.owner_sealed(state.key, meta_pb2.ChunkOwner.FromString(
+        info(k0, c0.chunk_id, c0.owner_seal).owner), c0.chunk_id)
+
+
 def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(make_state):
     from helpers import assert_metadata_consistent
 
