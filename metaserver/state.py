@@ -174,47 +174,39 @@ class MetaState:
 
     def make_room_steps(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE):
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
-        high watermark: leaves, lowest rank first, `incoming` bytes' worth (what the
-        write brings, no more: at most `limit` blocks, EVICT_SLICE a step); the background pass (`evict_slice`) goes on
-        down to the low watermark. Blocks in `pinned`, the parents of open allocations'
-        blocks, and all their ancestors stay. A generator (yields between slices);
-        returns blocks evicted. Their chunks go to the delete queue."""
+        high watermark: leaves, lowest rank first, `incoming` bytes' worth, what the
+        write brings and no more (past the high mark the disks may be full, and the
+        new chunks must find room in the space this frees), at most `limit` blocks,
+        EVICT_SLICE a step; the background pass (`evict_slice`) goes on down to the
+        low watermark. Blocks in `pinned`, the parents of open allocations' blocks,
+        and all their ancestors stay. A generator (yields between slices); returns
+        blocks evicted. Their chunks go to the delete queue."""
         if not self.over_high(incoming):
             return 0
         self.evicting = True
         capacity, before = self.capacity_bytes(), self.blocks.cache_bytes
-        evicted = 0
-        while evicted < limit:
+        evicted = freed = 0
+        while evicted < limit and freed < incoming:
             if evicted:
-                yield
-            # at least what comes in: past the high mark the disks may be full, and the new
-            # chunks must find room in the space this frees
-            freed = before - self.blocks.cache_bytes
+                yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
-            n = self._evict(incoming, pinned, step, self.cfg.evict_high, at_least=incoming - freed,
-                            at_most=incoming - freed)
+            was = self.blocks.cache_bytes
+            n = self._evict(incoming - freed, pinned, step)
+            freed += was - self.blocks.cache_bytes
             evicted += n
             if n < step:
                 break
         # a warning when nothing could go: every leaf is under a write in flight
         log.log(logging.INFO if evicted else logging.WARNING,
-                "eviction (%s): %d blocks, %.1f MiB; cache %.1f%% -> %.1f%% of %.1f MiB, %.1f MiB being written",
-                self.cfg.eviction_policy, evicted, (before - self.blocks.cache_bytes) / MiB,
+                "eviction (%s): %d blocks, %.1f MiB for a write of %.1f MiB; cache %.1f%% -> %.1f%% of %.1f MiB, "
+                "%.1f MiB being written", self.cfg.eviction_policy, evicted, freed / MiB, incoming / MiB,
                 100 * before / capacity, 100 * self.blocks.cache_bytes / capacity, capacity / MiB,
                 (incoming + self.allocations.incoming_bytes()) / MiB)
         return evicted
 
-    def _evict(self, incoming: int, pinned: set[bytes], limit: int, watermark: float, at_least: int = 0,
-               at_most: int | None = None) -> int:
-        """Evicts until cached blocks, open allocations and `incoming` fit under
-        `watermark` of capacity, and at least `at_least` bytes, at most `at_most`
-        bytes (a write evicts no more than it brings) and `limit` blocks."""
-        capacity = self.capacity_bytes()
-        need = max(at_least, self.blocks.cache_bytes + incoming + self.allocations.incoming_bytes()
-                   - int(watermark * capacity))
-        if at_most is not None:
-            need = min(need, at_most)
-        if not capacity or need <= 0:
+    def _evict(self, need: int, pinned: set[bytes], limit: int) -> int:
+        """Evicts `need` bytes' worth of blocks, at most `limit` of them."""
+        if need <= 0:
             return 0
         n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit)
         self.queue_deletes(chunks)
@@ -295,10 +287,12 @@ class MetaState:
 
     def evict_slice(self, limit: int = 64) -> int:
         """Background eviction: once past the high watermark, down to the low one, a
-        slice at a time (a write evicts only what takes it under the high one)."""
-        if not (self.evicting or self.over_high()):
-            return 0
-        n = self._evict(0, frozenset(), limit, self.cfg.evict_low)
+        slice at a time (a write evicts only what it brings)."""
+        capacity = self.capacity_bytes()
+        if not capacity or not (self.evicting or self.over_high()):
+            return 0  # no live capacity at all: nothing to measure against, nothing goes
+        need = self.blocks.cache_bytes + self.allocations.incoming_bytes() - int(self.cfg.evict_low * capacity)
+        n = self._evict(need, frozenset(), limit)
         self.evicting = n == limit  # stop at the low watermark, or when nothing more can go now
         return n
 

@@ -305,3 +305,40 @@ def test_an_oversized_or_unplaceable_allocation_is_refused_before_anything_is_ev
     write(state, block_keys(NS, range(900, 904), 4))
     assert state.evicted_blocks - evicted == 1
     assert_consistent(state)
+
+
+def test_a_write_evicts_what_it_brings_even_while_other_writers_commit_between_its_slices(make_state):
+    from kvfs.metaserver.state import EVICT_SLICE
+
+    clock = Clock()
+    state = make_state(clock, capacity=16 << 20)  # 3 x 16 MiB / 2 replicas: 384 blocks, high mark at 345.6
+    keys = block_keys(NS, range(4 * 420), 4)
+    for i in range(0, 340, 20):
+        clock.now += 1
+        write(state, keys[i : i + 20], first=0) if i == 0 else state.commit(NS.digest, commit_all(
+            state.allocate(NS.digest, keys[i : i + 20], LAYOUT_MSG, keys[i - 1])))
+    other = state.allocate(NS.digest, block_keys(NS, range(9000, 9000 + 4 * 20), 4), LAYOUT_MSG)  # 20 more
+    evicted = state.evicted_blocks
+    big = block_keys(NS, range(50_000, 50_000 + 4 * 100), 4)
+    steps = state.allocations.allocate_steps(NS.digest, big, LAYOUT_MSG, b"", state.make_room_steps)
+    slices = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            alloc = done.value
+            break
+        if state.evicted_blocks - evicted == EVICT_SLICE and slices == 0:
+            slices += 1
+            state.commit(NS.digest, commit_all(other))  # another writer's commit between two slices
+    assert slices == 1 and len(alloc.blocks) == 100
+    assert state.evicted_blocks - evicted == 100  # what it brings: 100 blocks of one slot each, no more
+    assert_consistent(state)
+
+
+def commit_all(alloc, ttl_class="chat"):
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id, ttl_class=ttl_class)
+    for b in alloc.blocks:
+        if not b.already_present:
+            req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
+    return req
