@@ -9,10 +9,12 @@ The measure is the KS statistic D, the largest gap between the two samples'
 distributions: the best a probe-by-probe threshold can do is guess right (1 + D) / 2
 of the time. A lookup that reveals a hit shows D near 0.8 here (the control). B's
 probes must stay under D = 0.25 (guessing right under 62.5%); the p-value is
-printed, not asserted: on this shared machine a run of the full suite once gave
-D = 0.21 (p 3e-6, medians 0.841 vs 0.813 ms) where four runs alone gave p 0.40 to
-1.00, a systematic wobble of a few percent that an assertion on p would turn into
-a flaky test without finding an oracle."""
+printed, not asserted. Inside full test runs B's probes of A's prompts were 3-4%
+slower (D 0.21 and 0.25) while runs alone showed nothing (D 0.06-0.12), nor did
+the same probe with nothing cached at all: the prompts were lists built at the start
+of the test, and in a process that had run hundreds of tests before, hashing their
+scattered ints cost more than hashing a list just made. Every prompt is now made
+afresh for its round."""
 
 import os
 import random
@@ -53,9 +55,10 @@ async def test_another_tenants_cached_prefix_times_like_an_uncached_one(local_cl
         for i in range(PROBES):
             # interleaved in a random order each round, so neither drift in the machine's load nor
             # what the previous call left behind (a large reply, say) favours one kind
-            fresh = tokens_for(BLOCKS, seed=10_000 + i)
-            kinds = [(cached_for_a, B, prompts[i % PROMPTS], 0), (uncached, B, fresh, 0),
-                     (own_hits, A, prompts[i % PROMPTS], BLOCKS)]
+            # both prompts made afresh each round: a list built long ago has its ints scattered in a
+            # long-lived process's heap, and hashing it showed up as a few percent in a full test run
+            cached, fresh = tokens_for(BLOCKS, seed=100 + i % PROMPTS), tokens_for(BLOCKS, seed=10_000 + i)
+            kinds = [(cached_for_a, B, cached, 0), (uncached, B, fresh, 0), (own_hits, A, cached, BLOCKS)]
             order.shuffle(kinds)
             for sample, ns, tokens, expect in kinds:
                 seconds, matched = await timed(client, ns, tokens)
