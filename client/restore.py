@@ -41,6 +41,7 @@ class _Item:
     replicas: list[ServerInfo]  # in preference order
     tried: set[str] = field(default_factory=set)  # addresses that failed it
     last_error: KvfsError | None = None
+    all_data_loss: bool = True  # every replica tried failed for its bytes (corrupt, not the committed chunk)
     reading: int = 0  # reads of it in flight (2 while hedged)
     done: bool = False
 
@@ -142,7 +143,7 @@ class Restore:
         choices = [s for s in choices if s.address != avoid] or choices
         if not choices:
             # corrupt or not the committed chunk everywhere: say so (DATA_LOSS), else unavailable
-            kind = DataLoss if isinstance(item.last_error, DataLoss) else Unavailable
+            kind = DataLoss if item.all_data_loss and item.last_error is not None else Unavailable
             self._fail(kind(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every replica failed "
                             f"({', '.join(sorted(item.tried))}); the last: {item.last_error}"))
             return
@@ -216,6 +217,7 @@ class Restore:
             if not isinstance(err, Aborted):  # Aborted: its bytes lost a race, the server is fine
                 it.tried.add(server.address)
                 it.last_error = err
+                it.all_data_loss = it.all_data_loss and isinstance(err, DataLoss)
             if it.reading == 0:  # no other read of it is still coming
                 self.stats.retries += 1
                 self._enqueue(it)

@@ -392,10 +392,11 @@ class _Connection:
             if res.code:
                 errors.append(from_code(res.code, f"{res.message} (from {self.address})"))
                 continue
-            end = spec.offset + spec.length
-            if res.data_start > spec.offset or res.data_start + res.data_len < end:
-                raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) misses the range "
-                                     f"[{spec.offset}, {end})")
+            if (res.data_start, res.data_len) != wire.widen(spec.offset, spec.length, spec.chunk_length) \
+                    or res.chunk_len != spec.chunk_length:
+                raise wire.WireError(f"reply data [{res.data_start}, +{res.data_len}) of a {res.chunk_len}-byte "
+                                     f"chunk is not the range [{spec.offset}, +{spec.length}) widened to whole "
+                                     f"blocks of the {spec.chunk_length}-byte chunk")
             wrong = not_committed(spec, res.checksums, self.address)
             if p.region < 0:
                 if wrong is not None:

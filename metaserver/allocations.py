@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from rocksdict import WriteBatch
 
-from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvfs.keys import KEY_BYTES
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
@@ -22,7 +22,7 @@ from .blocks import BlockTable, footprint, layout_of
 from .chains import Placer
 from .config import MetaserverConfig
 from .db import MetaDB
-from .membership import Membership
+from .membership import Membership, ServerState
 from .records import ALLOC, Row, owner_seal
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,21 @@ class Allocations:
         self.blocks = blocks
         self.clock = clock
         self.open: dict[bytes, Allocation] = {}
+        # allocations between their first step and their last: (bytes, blocks to keep), so that
+        # writers and eviction running between their steps count them and leave their parents
+        self.placing: dict[bytes, tuple[int, set[bytes]]] = {}
         for key, raw in db.scan(ALLOC):
             self.open[key[1:]] = Allocation.of(meta_pb2.AllocationRecord.FromString(raw))
 
     def incoming_bytes(self) -> int:
-        return sum(a.footprint for a in self.open.values())
+        """What open allocations, and allocations still being placed, will add to the cache."""
+        return sum(a.footprint for a in self.open.values()) + sum(n for n, _ in self.placing.values())
 
     def pinned(self) -> set[bytes]:
-        """The parents of open allocations' blocks: their commits need them."""
-        return {a.record.namespace_digest + p for a in self.open.values() for p in a.record.parents if p}
+        """The parents of open allocations' blocks (their commits need them), and the
+        blocks of allocations still being placed."""
+        pins = {a.record.namespace_digest + p for a in self.open.values() for p in a.record.parents if p}
+        return pins.union(*(p for _, p in self.placing.values()))
 
     def chunk_ids(self) -> set[bytes]:
         return set().union(*(a.chunk_ids for a in self.open.values()))
@@ -92,20 +98,39 @@ class Allocations:
                                   f"{self.cfg.max_layers} layers and {self.cfg.max_block_bytes} bytes "
                                   f"(max_layers, max_block_bytes)")
         self.members.refresh_liveness()
+        capacity = self.members.capacity_bytes()
+        if not capacity:
+            raise Unavailable("no live chunkservers to place blocks on")
         spans = layout.chunks(self.cfg.chunk_size)
         # an expired block not removed yet is written again (commit replaces it)
         present = self.blocks.live_rows([namespace_digest + k for k in keys])
         new = sum(p is None for p in present)
         incoming = new * footprint(spans)
-        room = int(self.cfg.evict_high * self.members.capacity_bytes())
+        room = int(self.cfg.evict_high * capacity)
         if incoming > room:  # refused before anything is evicted for it
             raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; the cache "
                                     f"holds {room} bytes below its high watermark")
-        yield
-        # room first: placement then counts the evicted chunks' space as free
-        yield from make_room(incoming, {namespace_digest + k for k in (parent, *keys) if k})
-        placer = None
         alloc_id = os.urandom(16)
+        self.placing[alloc_id] = (incoming, {namespace_digest + k for k in (parent, *keys) if k})
+        placed: list[tuple[ServerState, int]] = []  # pending bytes added, undone if this never finishes
+        try:
+            yield
+            # room first: placement then counts the evicted chunks' space as free
+            yield from make_room(incoming, self.placing[alloc_id][1])
+            reply = yield from self._place(alloc_id, namespace_digest, keys, present, parent, layout_msg, spans,
+                                           placed)
+        except BaseException:  # an error, or the call cancelled between steps (GeneratorExit)
+            for server, n in placed:
+                server.pending_bytes = max(0, server.pending_bytes - n)
+            raise
+        finally:
+            del self.placing[alloc_id]
+        return reply
+
+    def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
+               layout_msg, spans, placed: list):
+        """allocate_steps' placement, ALLOCATE_PIECE blocks a step; the reply."""
+        placer = None
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
                                              chunk_size=self.cfg.chunk_size)
         record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
@@ -115,6 +140,8 @@ class Allocations:
             if i % ALLOCATE_PIECE == 0:
                 if i:
                     yield
+                # servers may have gone silent while other calls ran: chains and free space as of now
+                self.members.refresh_liveness()
                 live = self.members.live_servers()
                 placer = Placer(self.members.chains, {sid: self.members.free_bytes(s) for sid, s in live.items()})
             block = reply.blocks.add(key=key)
@@ -133,6 +160,7 @@ class Allocations:
                 record.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain)
                 for s in chain:
                     live[s].pending_bytes += span.length
+                    placed.append((live[s], span.length))
         if record.keys:
             self.db.put(ALLOC + alloc_id, record.SerializeToString())
             self.open[alloc_id] = Allocation.of(record)

@@ -169,9 +169,6 @@ class MetaState:
         total = self.blocks.cache_bytes + self.allocations.incoming_bytes() + incoming
         return bool(capacity) and total > self.cfg.evict_high * capacity
 
-    def make_room(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE) -> int:
-        return run_steps(self.make_room_steps(incoming, pinned, limit))
-
     def make_room_steps(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE):
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
         high watermark: leaves, lowest rank first, `incoming` bytes' worth, what the
@@ -180,8 +177,9 @@ class MetaState:
         EVICT_SLICE a step; the background pass (`evict_slice`) goes on down to the
         low watermark. Blocks in `pinned`, the parents of open allocations' blocks,
         and all their ancestors stay. A generator (yields between slices); returns
-        blocks evicted. Their chunks go to the delete queue."""
-        if not self.over_high(incoming):
+        blocks evicted. Their chunks go to the delete queue. `incoming` is counted among
+        the allocations being placed already (Allocations.placing)."""
+        if not self.over_high():
             return 0
         self.evicting = True
         capacity, before = self.capacity_bytes(), self.blocks.cache_bytes

@@ -7,9 +7,9 @@ own hits against the same misses must be told apart.
 
 The measure is the KS statistic D, the largest gap between the two samples'
 distributions: the best a probe-by-probe threshold can do is guess right (1 + D) / 2
-of the time. A lookup that reveals a hit shows D near 0.8 here (the control). B's
-probes must stay under D = 0.25 (guessing right under 62.5%); the p-value is
-printed, not asserted. Inside full test runs B's probes of A's prompts were 3-4%
+of the time. A lookup that reveals a hit shows D of 0.43 to 0.8 here (the control,
+which must be detected at p < 1e-6). B's probes must stay under D = 0.25 (guessing
+right under 62.5%); their p-value is printed, not asserted. Inside full test runs B's probes of A's prompts were 3-4%
 slower (D 0.21 and 0.25) while runs alone showed nothing (D 0.06-0.12), nor did
 the same probe with nothing cached at all: the prompts were lists built at the start
 of the test, and in a process that had run hundreds of tests before, hashing their
@@ -70,5 +70,5 @@ async def test_another_tenants_cached_prefix_times_like_an_uncached_one(local_cl
     print(f"medians: B on A's cached prompts {ms(cached_for_a)}, B on uncached {ms(uncached)}, A's own hits "
           f"{ms(own_hits)}; KS p = {probe.pvalue:.3f} (B), {control.pvalue:.2g} (control)")
     print(f"KS D: {probe.statistic:.3f} (B), {control.statistic:.3f} (control)")
-    assert control.statistic > 0.5, "the probe cannot even tell a hit from a miss: it shows nothing"
+    assert control.pvalue < 1e-6, "the probe cannot even tell a hit from a miss: it shows nothing"
     assert probe.statistic < 0.25, "tenant B can tell by timing which prompts tenant A has cached"

@@ -342,3 +342,41 @@ def commit_all(alloc, ttl_class="chat"):
         if not b.already_present:
             req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
     return req
+
+
+def test_a_write_placed_between_another_writes_steps_counts_it_and_evicts_for_itself(make_state):
+    """From a review: an allocation still placing its pieces was invisible to writers
+    running between its steps, which then evicted too little."""
+    clock = Clock()
+    state = make_state(clock, capacity=16 << 20)  # 384 blocks, high mark at 345.6
+    keys = block_keys(NS, range(4 * 345), 4)
+    for i in range(0, 345, 23):
+        state.commit(NS.digest, commit_all(state.allocate(NS.digest, keys[i : i + 23], LAYOUT_MSG,
+                                                          keys[i - 1] if i else b"")))
+    evicted = state.evicted_blocks
+    a = block_keys(NS, range(10_000, 10_000 + 4 * 130), 4)
+    steps = state.allocations.allocate_steps(NS.digest, a, LAYOUT_MSG, b"", state.make_room_steps)
+    while state.evicted_blocks - evicted < 130:  # A evicted for itself and is placing its pieces
+        next(steps)
+    b = block_keys(NS, range(20_000, 20_000 + 4 * 100), 4)
+    state.allocate(NS.digest, b, LAYOUT_MSG)  # B, all at once between two of A's steps
+    for _ in steps:
+        pass
+    assert state.evicted_blocks - evicted == 230 and not state.over_high()
+    assert len(state.allocations.open) == 2 and not state.allocations.placing
+
+
+def test_servers_gone_silent_between_an_allocations_pieces_fail_it_cleanly(make_state):
+    from kvfs.errors import Unavailable
+
+    clock = Clock()
+    state = make_state(clock, capacity=16 << 20, heartbeat_timeout=5)
+    keys = block_keys(NS, range(4 * 200), 4)  # several pieces
+    steps = state.allocations.allocate_steps(NS.digest, keys, LAYOUT_MSG, b"", state.make_room_steps)
+    next(steps), next(steps)  # checked, room made, the first piece placed
+    clock.now += 6  # every server silent past the timeout before the next piece
+    with pytest.raises(Unavailable, match="no chains"):
+        for _ in steps:
+            pass
+    assert all(s.pending_bytes == 0 for s in state.servers.values())  # the pieces placed were undone
+    assert not state.allocations.open and not state.allocations.placing
