@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvfs.buffers import address_of, byte_view
-from kvfs.errors import Aborted, DataLoss, Internal, InvalidArgument, KvfsError, Unavailable
+from kvfs.errors import Aborted, DataLoss, Internal, InvalidArgument, KvfsError, NotFound, Unavailable
 from kvfs.layout import BlockLayout
 
 from .hedge import Fence, HedgeBudget, ServerLatency
@@ -41,7 +41,7 @@ class _Item:
     replicas: list[ServerInfo]  # in preference order
     tried: set[str] = field(default_factory=set)  # addresses that failed it
     last_error: KvfsError | None = None
-    all_data_loss: bool = True  # every replica tried failed for its bytes (corrupt, not the committed chunk)
+    all_data_loss: bool = True  # every replica tried failed for its bytes: corrupt, not the committed chunk, gone
     reading: int = 0  # reads of it in flight (2 while hedged)
     done: bool = False
 
@@ -142,7 +142,7 @@ class Restore:
         choices = [s for s in item.replicas if s.address not in item.tried]
         choices = [s for s in choices if s.address != avoid] or choices
         if not choices:
-            # corrupt or not the committed chunk everywhere: say so (DATA_LOSS), else unavailable
+            # corrupt, not the committed chunk, or gone on every replica: say so (DATA_LOSS); else unavailable
             kind = DataLoss if item.all_data_loss and item.last_error is not None else Unavailable
             self._fail(kind(f"chunk {item.spec.chunk_id.hex()[:16]} of block {item.block}: every replica failed "
                             f"({', '.join(sorted(item.tried))}); the last: {item.last_error}"))
@@ -217,7 +217,9 @@ class Restore:
             if not isinstance(err, Aborted):  # Aborted: its bytes lost a race, the server is fine
                 it.tried.add(server.address)
                 it.last_error = err
-                it.all_data_loss = it.all_data_loss and isinstance(err, DataLoss)
+                # a copy the metaserver listed but its server no longer has (a corrupt one it
+                # removed) is lost data too; a server that did not answer may yet come back
+                it.all_data_loss = it.all_data_loss and isinstance(err, (DataLoss, NotFound))
             if it.reading == 0:  # no other read of it is still coming
                 self.stats.retries += 1
                 self._enqueue(it)
