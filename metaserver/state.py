@@ -471,11 +471,14 @@ class MetaState:
         """A block's row from the chunks a rebuild found of it, or None if some chunk is
         missing, belongs to an open allocation, or does not fit the block's layout."""
         owner = parse_owner(entries[0][7])
-        chunks: dict[int, list] = {}  # index -> [chunk id, length, checksum, created, server numbers]
+        # index -> (chunk id, checksum) -> [chunk id, length, checksum, created, server numbers]: copies
+        # of one id with other bytes (written outside a commit) are not replicas of each other
+        found: dict[int, dict[tuple[bytes, int], list]] = {}
         for _, index, server, chunk_id, length, checksum, created, _ in entries:
-            have = chunks.setdefault(index, [chunk_id, length, checksum, created, []])
-            if have[0] == chunk_id:
-                have[4].append(server)
+            found.setdefault(index, {}).setdefault((chunk_id, checksum), [chunk_id, length, checksum, created, []])[
+                4].append(server)
+        # per chunk, the version most servers hold (the first found on a tie)
+        chunks = {i: max(versions.values(), key=lambda v: len(v[4])) for i, versions in found.items()}
         if owner is None or any(c[0] in open_chunks for c in chunks.values()) or \
                 sorted(chunks) != list(range(owner.chunk_count)):
             return None

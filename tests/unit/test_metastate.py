@@ -250,6 +250,9 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
     # block 0 on two servers, 1 on one, 2 with a chunk of the wrong length, 3 found nowhere, plus junk
     assert state.rebuild_stage("cs-0", [info(keys[0]), info(keys[1]), chunk_pb2.ChunkInfo(chunk_id=b"j" * 16)]) == 2
     assert state.rebuild_stage("cs-1", [info(keys[0]), info(keys[2], length=100)]) == 2
+    other = info(keys[0])
+    other.checksum = 6  # the same chunk id with other bytes: not a third copy of block 0's chunk
+    assert state.rebuild_stage("cs-2", [other]) == 1
     slices = []
     while (done := state.rebuild_slice(limit=1)) != (0, 0):
         slices.append(done)
