@@ -242,7 +242,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 got = os.preadv(fd, reads, p.rec.slot.offset + start)
             if got < length:
                 _fail_range(reply, 13, f"chunk {short_id(p.chunk_id)}: short disk read ({got})")
-            elif not self._verified(iov, reply.covering()):
+            elif not wire.verified(iov, reply.covering()):
                 # the bytes are in the client's buffer, but it never uses a range that failed
                 _fail_range(reply, 15, f"chunk {short_id(p.chunk_id)} checksum mismatch on {self.store.cfg.id}")
                 self.store.count_checksum_error(p.chunk_id, p.rec)
@@ -264,12 +264,7 @@ class _Handler(socketserver.BaseRequestHandler):
         finally:
             self.store.put_buffer(buf)
 
-    @staticmethod
-    def _verified(views: list[memoryview], checksums: tuple[int, ...]) -> bool:
-        verifier = wire.BlockVerifier(checksums)
-        for v in views:
-            verifier.feed(v)
-        return verifier.finish()
+
 
 
 class DataServer(socketserver.ThreadingTCPServer):

@@ -127,14 +127,6 @@ def is_local(address: str) -> bool:
     return host in mine
 
 
-def _verified(views, checksums) -> bool:
-    """Whether bytes (one buffer, or pieces in order) match these block checksums."""
-    verifier = wire.BlockVerifier(checksums)
-    for view in [views] if isinstance(views, (bytes, bytearray, memoryview)) else views:
-        verifier.feed(memoryview(view))
-    return verifier.finish()
-
-
 class GrpcTransport:
     name = "grpc"
 
@@ -157,7 +149,7 @@ class GrpcTransport:
                 errors.append(DataLoss(f"{server.address} returned {len(res.data)} bytes for a {n}-byte range"))
             elif (wrong := not_committed(spec, res.block_checksums, server.address)) is not None:
                 errors.append(wrong)
-            elif not _verified(res.data, res.block_checksums[blocks_covering(start, n)]):
+            elif not wire.verified(res.data, res.block_checksums[blocks_covering(start, n)]):
                 errors.append(DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {server.address} failed its "
                                        f"checksum"))
             elif not spec.claim(reader):
@@ -429,7 +421,7 @@ class _Connection:
         if tail:
             views.append(scratch[wire.BLOCK : wire.BLOCK + tail])
         _recv_scattered(self.sock, list(views))  # it trims its copy as views fill
-        if not _verified(views, res.covering()):
+        if not wire.verified(views, res.covering()):
             log.warning("chunk %s from %s failed its checksum; not used", spec.chunk_id.hex()[:16], self.address)
             spec.release(reader)
             return DataLoss(f"chunk {spec.chunk_id.hex()[:16]} from {self.address} failed its checksum")

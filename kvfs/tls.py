@@ -170,10 +170,6 @@ def seal(key: bytes, kind: bytes, *parts: bytes | int | str) -> bytes:
     return mac.digest()[:SEAL_BYTES]
 
 
-def sealed(key: bytes, tag: bytes, kind: bytes, *parts: bytes | int | str) -> bool:
-    return hmac.compare_digest(tag, seal(key, kind, *parts))
-
-
 def aio_channel(address: str, credentials: Credentials | None, options: Sequence = ()) -> grpc.aio.Channel:
     """An asyncio channel: TLS with `credentials`, plaintext when None (--insecure)."""
     if credentials is None:

@@ -290,3 +290,11 @@ class BlockVerifier:
         if self._fill:
             self._close_block()
         return self.ok and self._index == len(self._sums)
+
+
+def verified(views, checksums: tuple[int, ...]) -> bool:
+    """Whether bytes (one buffer, or pieces in order) match these block checksums."""
+    verifier = BlockVerifier(checksums)
+    for view in [views] if isinstance(views, (bytes, bytearray, memoryview)) else views:
+        verifier.feed(memoryview(view))
+    return verifier.finish()

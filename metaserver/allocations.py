@@ -82,7 +82,7 @@ class Allocations:
         return set().union(*(a.chunk_ids for a in self.open.values()))
 
     def allocate_steps(self, namespace_digest: bytes, keys: list[bytes], layout_msg, parent: bytes,
-                       make_room: Callable[[int, set[bytes]], Generator]):
+                       make_room: Callable[[int], Generator]):
         """Places the chunks of the keys not committed yet. `parent` is the key before
         keys[0] (empty: keys[0] is a prompt's first block). A generator that yields
         between pieces of ALLOCATE_PIECE blocks (and between eviction slices), so
@@ -116,7 +116,7 @@ class Allocations:
         try:
             yield
             # room first: placement then counts the evicted chunks' space as free
-            yield from make_room(incoming, self.placing[alloc_id][1])
+            yield from make_room(incoming)
             reply = yield from self._place(alloc_id, namespace_digest, keys, present, parent, layout_msg, spans,
                                            placed)
         except BaseException:  # an error, or the call cancelled between steps (GeneratorExit)
@@ -130,7 +130,6 @@ class Allocations:
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
                layout_msg, spans, placed: list):
         """allocate_steps' placement, ALLOCATE_PIECE blocks a step; the reply."""
-        placer = None
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
                                              chunk_size=self.cfg.chunk_size)
         record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,

@@ -36,7 +36,7 @@ from .db import MetaDB
 from .membership import Membership
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT, VICTIM,
                       Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
-                      reply_tail, row_key, row_keys, u64, victim_key)
+                      reply_tail, row_bound, row_key, u64, victim_key)
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,7 @@ class Slots:
             return False
         lo, hi = self.free.get(ns, (0, 0))
         if not lo <= slot < hi:
-            first, _ = row_keys(ns, slot)
-            taken = [k for k, _ in self.table.db.scan(ROW + ns, start=first, limit=1)]
+            taken = [k for k, _ in self.table.db.scan(ROW + ns, start=row_key(ns, slot), limit=1)]
             hi = read_u64(taken[0][-8:]) if taken else 1 << 64
             self.free[ns] = (slot, hi)
             lo = slot
@@ -220,15 +219,14 @@ class BlockTable:
         out = []
         for full, raw in zip(fulls, self.rows(fulls) if stored is None else stored):
             if raw is not None:
-                ttl, last_used, _, _ = Row.head(raw)
+                _, ttl, last_used = LOOKUP.unpack_from(raw, KEY_BYTES)
                 if now > self.last_use(full, last_used) + ttl:
                     raw = None
             out.append(raw)
         return out
 
     def row(self, full: bytes) -> Row | None:
-        slot = self.db.get(BLOCK + full)
-        raw = self.db.get(row_key(full[:KEY_BYTES], read_u64(slot))) if slot is not None else None
+        (raw,) = self.rows([full])
         return Row.decode(raw) if raw is not None else None
 
     def leaf(self, batch: WriteBatch, victim: bytes) -> None:
@@ -264,17 +262,10 @@ class BlockTable:
         live = self.members.live_numbers
         parts: list[bytes] = []
         referenced: set[int] = set()
-        if not keys:
-            return self._reply(parts, referenced)
         db = self.db.db
-        slot = db.get(BLOCK + namespace_digest + keys[0])
-        if slot is None:
-            return self._reply(parts, referenced)
-        first, bound = row_keys(namespace_digest, read_u64(slot))
         opts = ReadOptions()
-        opts.set_iterate_upper_bound(bound)  # this namespace's rows only
-        rows = db.iter(opts)
-        rows.seek(first)
+        opts.set_iterate_upper_bound(row_bound(namespace_digest))  # this namespace's rows only
+        rows = db.iter(opts)  # not positioned yet: the first key is looked up like a branch
         hits = self.hits
         recording = len(hits) < MAX_PENDING_HITS
         all_live: set[bytes] = set()  # rows' server numbers (as stored) seen with every server live

@@ -35,6 +35,7 @@ into its reply without parsing a message per chunk.
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -68,10 +69,9 @@ def row_key(namespace_digest: bytes, slot: int) -> bytes:
     return ROW + namespace_digest + _U64.pack(slot)
 
 
-def row_keys(namespace_digest: bytes, slot: int) -> tuple[bytes, bytes]:
-    """The first row key at or after `slot` in a namespace, and the bound past its last."""
-    prefix = ROW + namespace_digest
-    return prefix + _U64.pack(slot), prefix + b"\xff" * 8
+def row_bound(namespace_digest: bytes) -> bytes:
+    """A key past every row of a namespace."""
+    return ROW + namespace_digest + b"\xff" * 8
 
 
 def child_key(parent_full: bytes, child_full: bytes) -> bytes:
@@ -146,7 +146,7 @@ _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
 @dataclass(slots=True)
 class Row:
     """One block's row. Decoded only where a pass needs its fields; lookups read
-    the header in place (`Row.head`)."""
+    the header in place (`LOOKUP`)."""
 
     ttl: int
     depth: int
@@ -181,13 +181,6 @@ class Row:
         name = raw[at + 1 : at + 1 + raw[at]].decode()
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
                    parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :], raw[:_KEY], slot)
-
-    @staticmethod
-    def head(raw: bytes) -> tuple[int, float, tuple[int, ...], int]:
-        """(ttl, last_used, server numbers, offset of the framed location)."""
-        n, ttl, last_used = LOOKUP.unpack_from(raw, _KEY)
-        at = SERVERS + 2 * n
-        return ttl, last_used, struct.unpack_from(f"<{n}H", raw, SERVERS), at + 1 + raw[at]
 
     def block_location(self) -> meta_pb2.BlockLocation:
         return meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]
@@ -240,9 +233,9 @@ def owner_seal(key: bytes, full: bytes, index: int, count: int, layout: meta_pb2
 
 
 def owner_sealed(key: bytes, owner: meta_pb2.ChunkOwner, chunk_id: bytes) -> bool:
-    return tls.sealed(key, owner.seal, tls.OWNER, owner.namespace_digest, owner.block_key, owner.chunk_index,
-                      owner.chunk_count, owner.layout.layers, owner.layout.block_tokens, owner.layout.kv_dim,
-                      owner.layout.dtype, owner.chunk_size, chunk_id)
+    return hmac.compare_digest(owner.seal, owner_seal(key, owner.namespace_digest + owner.block_key,
+                                                      owner.chunk_index, owner.chunk_count, owner.layout,
+                                                      owner.chunk_size, chunk_id))
 
 
 def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:

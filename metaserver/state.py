@@ -61,6 +61,8 @@ async def run_steps_async(steps, gate: asyncio.Lock):
             except StopIteration as done:
                 return done.value
         await asyncio.sleep(0)
+
+
 MAX_QUEUED_DELETES = 1 << 20  # chunk copies waiting for deletion; background removals pause past it
 
 __all__ = ["MetaState", "Repair", "ServerState"]
@@ -169,14 +171,14 @@ class MetaState:
         total = self.blocks.cache_bytes + self.allocations.incoming_bytes() + incoming
         return bool(capacity) and total > self.cfg.evict_high * capacity
 
-    def make_room_steps(self, incoming: int = 0, pinned: set[bytes] = frozenset(), limit: int = EVICT_INLINE):
+    def make_room_steps(self, incoming: int, limit: int = EVICT_INLINE):
         """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
         high watermark: leaves, lowest rank first, `incoming` bytes' worth, what the
         write brings and no more (past the high mark the disks may be full, and the
         new chunks must find room in the space this frees), at most `limit` blocks,
         EVICT_SLICE a step; the background pass (`evict_slice`) goes on down to the
-        low watermark. Blocks in `pinned`, the parents of open allocations' blocks,
-        and all their ancestors stay. A generator (yields between slices); returns
+        low watermark. The blocks of allocations being placed, the parents of open
+        allocations' blocks, and all their ancestors stay. A generator (yields between slices); returns
         blocks evicted. Their chunks go to the delete queue. `incoming` is counted among
         the allocations being placed already (Allocations.placing)."""
         if not self.over_high():
@@ -189,7 +191,7 @@ class MetaState:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
             was = self.blocks.cache_bytes
-            n = self._evict(incoming - freed, pinned, step)
+            n = self._evict(incoming - freed, frozenset(), step)
             freed += was - self.blocks.cache_bytes
             evicted += n
             if n < step:
