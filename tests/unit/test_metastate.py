@@ -332,3 +332,22 @@ def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(mak
     assert reply.matched == 200
     assert [c.chunk_id for b in reply.blocks for c in b.chunks] == [c.chunk_id for b in winner.blocks for c in b.chunks]
     assert_metadata_consistent(state)
+
+
+def test_rewritten_rows_are_updated_in_place_not_stacked_in_the_memtable(tmp_path):
+    """A hot prompt's rows are rewritten on every flush of its hits; stacked versions
+    would make every lookup's range read step over all of them (db.py)."""
+    from kvfs.metaserver.db import MetaDB
+    db = MetaDB(str(tmp_path / "meta"), 1 << 20)
+    try:
+        entries = lambda: db.db.property_int_value("rocksdb.num-entries-active-mem-table")  # noqa: E731
+        db.put(b"l-row", b"x" * 200)
+        before = entries()
+        for i in range(100):
+            db.put(b"l-row", bytes([i]) * 200)
+        assert entries() == before
+        assert db.get(b"l-row") == bytes([99]) * 200
+        db.put(b"l-row", b"y" * 300)  # a longer value cannot go in place: a new version, still read right
+        assert entries() == before + 1 and db.get(b"l-row") == b"y" * 300
+    finally:
+        db.close()
