@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from rocksdict import WriteBatch
 
-from kvfs.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvfs.keys import KEY_BYTES
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
@@ -35,11 +35,21 @@ ALLOCATE_PIECE = 64  # blocks an allocation places between two turns
 class Allocation:
     record: meta_pb2.AllocationRecord
     chunk_ids: set[bytes] = field(default_factory=set)
-    footprint: int = 0  # what its blocks will take of capacity once committed, per replica
+    footprint: int = 0  # what its unsettled blocks will take of capacity once committed, per replica
+    committing: bool = False  # a commit of it is under way
 
     @classmethod
     def of(cls, record: meta_pb2.AllocationRecord) -> Allocation:
-        return cls(record, {c.chunk_id for c in record.chunks}, footprint(record.chunks))
+        return cls(record, {c.chunk_id for c in record.chunks}, footprint(record.chunks[record.settled * cls.per_block(
+            record):]))
+
+    @staticmethod
+    def per_block(record: meta_pb2.AllocationRecord) -> int:
+        return len(record.chunks) // max(1, len(record.keys))
+
+    def unsettled_chunks(self) -> list[meta_pb2.StoredChunk]:
+        """The chunks of the blocks no commit has settled: garbage if it expires."""
+        return list(self.record.chunks[self.record.settled * self.per_block(self.record):])
 
 
 def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
@@ -171,23 +181,28 @@ class Allocations:
         that became garbage: those of blocks someone else committed first, and of
         blocks whose parent expired meanwhile, which nothing could reach). A
         generator that yields between pieces of COMMIT_PIECE blocks, so a server can
-        serve other calls while a large commit builds its rows. What the commit
-        decides (first writer wins, parents present) is decided after the last
-        piece, in one step with the write, so interleaving cannot change it."""
+        serve other calls while a large commit builds its rows, then decides and
+        writes them. Each piece's decision (first writer wins, parent present) is
+        made in one step with its write, so interleaving cannot change it; a
+        commit another call interleaves with may see part of this one, a prefix
+        of its blocks, like a lookup does."""
         alloc = self.open.get(req.allocation_id)
         if alloc is None:
             raise NotFound("allocation not found: it expired or was committed already; allocate again")
         if alloc.record.namespace_digest != namespace_digest:
             raise FailedPrecondition("allocation belongs to another namespace")
+        if alloc.committing:
+            raise Aborted("another CommitBlocks of this allocation is under way")
         ttl_class = req.ttl_class or self.cfg.default_ttl_class
         if ttl_class not in self.blocks.ttls:
             raise InvalidArgument(f"unknown TTL class {ttl_class!r}; known: {', '.join(self.blocks.ttls)}")
+        record = alloc.record
         chunks_by_key: dict[bytes, list] = {}
         parents: dict[bytes, bytes] = {}  # allocations from before parents were recorded have none: roots
-        per_block = len(alloc.record.chunks) // max(1, len(alloc.record.keys))
-        for i, key in enumerate(alloc.record.keys):
-            chunks_by_key[key] = list(alloc.record.chunks[i * per_block : (i + 1) * per_block])
-            parents[key] = alloc.record.parents[i] if i < len(alloc.record.parents) else b""
+        per_block = Allocation.per_block(record)
+        for i, key in enumerate(record.keys):
+            chunks_by_key[key] = list(record.chunks[i * per_block : (i + 1) * per_block])
+            parents[key] = record.parents[i] if i < len(record.parents) else b""
         keys = check_keys((b.key for b in req.blocks), "CommitBlocks", self.cfg.max_keys)
         unknown = [k for k in keys if k not in chunks_by_key]
         if unknown:
@@ -198,37 +213,66 @@ class Allocations:
             if len(block.chunk_checksums) != len(chunks_by_key[block.key]):
                 raise InvalidArgument(f"block {block.key.hex()}: {len(block.chunk_checksums)} checksums "
                                       f"for {len(chunks_by_key[block.key])} chunks")
-        order = {k: i for i, k in enumerate(alloc.record.keys)}
+        order = {k: i for i, k in enumerate(record.keys)}
         blocks = sorted(req.blocks, key=lambda b: order[b.key])  # parents before their children
-        now = self.clock()
-        rows: dict[bytes, Row] = {}  # each block's row, should it be committed
-        for i, block in enumerate(blocks):
-            if i and i % COMMIT_PIECE == 0:
+        # an earlier commit of this allocation, cut short, settled the blocks before
+        # `settled`: committed them (their chunks are theirs now) or made them garbage
+        before = sum(order[b.key] < record.settled for b in blocks)
+        blocks = blocks[before:]
+        for key in record.keys[: record.settled]:
+            chunks_by_key.pop(key)
+        alloc.committing = True
+        try:
+            now = self.clock()
+            rows: dict[bytes, Row] = {}  # each block's row, should it be committed
+            for i, block in enumerate(blocks):
+                if i and i % COMMIT_PIECE == 0:
+                    yield
+                full = namespace_digest + block.key
+                if self.key:
+                    self._check_receipts(block, chunks_by_key[block.key])
+                stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
+                          for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
+                rows[full] = self.blocks.new_row(full, record.layout, stored, parents[block.key], ttl_class, now)
+            # Deciding and writing go a piece at a time too. Each piece is decided against
+            # the metadata as it is then and written in one batch with the allocation's
+            # count of settled keys: after every piece the metadata is whole, a block is
+            # only ever committed over a present parent, and the allocation's expiry, or
+            # a retried commit, leaves alone what the pieces so far settled. Room was
+            # made when the allocation was placed (it counts as incoming until settled);
+            # should capacity have shrunk since, the background pass evicts, not a commit.
+            committed, already, garbage = 0, before, []
+            pieces = range(0, max(1, len(blocks)), COMMIT_PIECE)
+            for i in pieces:
                 yield
-            full = namespace_digest + block.key
-            if self.key:
-                self._check_receipts(block, chunks_by_key[block.key])
-            stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
-                      for c, xxh in zip(chunks_by_key[block.key], block.chunk_checksums)]
-            rows[full] = self.blocks.new_row(full, alloc.record.layout, stored, parents[block.key], ttl_class, now)
-        yield
-        # from here to the write, one step: what is decided is what is written. Room was
-        # made when the allocation was placed (it counts as incoming until now); should
-        # capacity have shrunk since, the background pass evicts, not this commit
+                n, present = self._settle(namespace_digest, req.allocation_id, alloc, blocks[i : i + COMMIT_PIECE],
+                                          order, rows, chunks_by_key, parents, garbage, last=i == pieces[-1])
+                committed += n
+                already += present
+            return committed, already, garbage
+        finally:
+            alloc.committing = False
+
+    def _settle(self, namespace_digest: bytes, alloc_id: bytes, alloc: Allocation, blocks, order: dict[bytes, int],
+                rows: dict[bytes, Row], chunks_by_key: dict[bytes, list], parents: dict[bytes, bytes],
+                garbage: list, last: bool) -> tuple[int, int]:
+        """Decides and writes one piece of a commit (`blocks`, parents before children):
+        first writer wins, and a block whose parent is gone is garbage. Returns blocks
+        committed and blocks another writer committed first; adds the chunks that
+        became garbage to `garbage`, with those of blocks the commit did not name
+        (abandoned) up to the piece's end. After the `last` piece the allocation is gone."""
+        if self.open.get(alloc_id) is not alloc:
+            raise NotFound("allocation not found: it expired while being committed; allocate again")
         fulls = [namespace_digest + b.key for b in blocks]
-        if self.open.get(req.allocation_id) is not alloc:
-            raise NotFound("allocation not found: it expired or was committed meanwhile; allocate again")
         stored = self.blocks.rows(fulls)
         present = self.blocks.live_rows(fulls, stored)
-        replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present) if raw is not None and live is None}
         outside = sorted({parents[b.key] for b in blocks if parents[b.key]})
         parent_present = dict(zip(outside, self.blocks.live_rows([namespace_digest + p for p in outside])))
-        committed, already, garbage = 0, 0, []
         new: dict[bytes, Row] = {}
-        for block, existing in zip(blocks, present):
+        already = 0
+        for block, full, existing in zip(blocks, fulls, present):
             chunks = chunks_by_key.pop(block.key)
-            full = namespace_digest + block.key
-            if existing is not None or full in new:
+            if existing is not None:
                 already += 1  # first writer wins; this writer's chunks are garbage
                 garbage += chunks
                 continue
@@ -237,15 +281,23 @@ class Allocations:
                 garbage += chunks  # its parent expired or was lost since the allocation
                 continue
             new[full] = rows[full]
-            committed += 1
-        for leftover in chunks_by_key.values():  # allocated but not committed: abandoned
-            garbage += leftover
+        replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present)
+                    if raw is not None and live is None and f in new}
         batch = WriteBatch(raw_mode=True)
-        garbage += self.blocks.add(batch, list(new.items()), {f: r for f, r in replaced.items() if f in new})
-        batch.delete(ALLOC + req.allocation_id)
+        garbage += self.blocks.add(batch, list(new.items()), replaced)
+        record = alloc.record
+        settled = len(record.keys) if last else order[blocks[-1].key] + 1
+        for key in record.keys[record.settled : settled]:
+            garbage += chunks_by_key.pop(key, [])  # allocated, not named by the commit: abandoned
+        if last:
+            batch.delete(ALLOC + alloc_id)
+            del self.open[alloc_id]
+        else:
+            record.settled = settled
+            batch.put(ALLOC + alloc_id, record.SerializeToString())
+            alloc.footprint = footprint(alloc.unsettled_chunks())
         self.db.write(batch)
-        del self.open[req.allocation_id]
-        return committed, already, garbage
+        return len(new), already
 
     def _check_receipts(self, block: meta_pb2.CommitBlock, chunks) -> None:
         """Every server a chunk of the block was placed on must have sealed a receipt
@@ -266,7 +318,7 @@ class Allocations:
         if expired:
             batch = WriteBatch(raw_mode=True)
             for a in expired:
-                garbage += self.open.pop(a).record.chunks
+                garbage += self.open.pop(a).unsettled_chunks()
                 batch.delete(ALLOC + a)
             self.db.write(batch)
         return len(expired), garbage

@@ -24,11 +24,17 @@ import concurrent.futures
 import logging
 import os
 
-from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch
 
 from .records import COUNTER, FORMAT, FORMAT_KEY, read_u64, u64
 
 log = logging.getLogger(__name__)
+
+
+def successor(prefix: bytes) -> bytes | None:
+    """The least key above every key that starts with `prefix` (None: no such key)."""
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else None
 
 
 class MetaDB:
@@ -94,8 +100,20 @@ class MetaDB:
             self._syncing = None
 
     def scan(self, prefix: bytes, start: bytes = b"", limit: int = 1 << 62, stop: bytes | None = None):
-        """Keys (and values) under `prefix`, from `start` (a key) on, before `stop`, at most `limit`."""
-        it = self.db.iter()
+        """Keys (and values) under `prefix`, from `start` (a key) on, before `stop`, at most `limit`.
+
+        The iterator is bounded to the prefix: a scan that reaches its end stops
+        there, instead of stepping over whatever deleted entries follow it (the
+        front of the next index, a queue consumed from the front, can be tens of
+        thousands of them: 4 ms for the eviction index's last key after a large
+        eviction had emptied the front of the expiry index behind it)."""
+        opts = ReadOptions()
+        bound = successor(prefix)
+        if stop is not None and (bound is None or stop < bound):
+            bound = stop
+        if bound is not None:
+            opts.set_iterate_upper_bound(bound)
+        it = self.db.iter(opts)
         it.seek(start or prefix)
         n = 0
         while it.valid() and n < limit:

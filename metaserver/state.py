@@ -36,7 +36,7 @@ from .records import parse_owner
 log = logging.getLogger(__name__)
 
 EVICT_INLINE = 1024  # blocks a write may evict itself; the rest (down to the low watermark) in the background
-EVICT_SLICE = 64  # of those, blocks evicted between two turns of the event loop
+EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop (about 1.5 ms)
 
 
 def run_steps(steps):

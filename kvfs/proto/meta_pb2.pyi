@@ -333,20 +333,22 @@ class StoredChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocationRecord(_message.Message):
-    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents")
+    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents", "settled")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     expires_at: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunks: _containers.RepeatedCompositeFieldContainer[StoredChunk]
     layout: BlockLayout
     parents: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    settled: int
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ..., settled: _Optional[int] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address", "number")

@@ -334,6 +334,86 @@ def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(mak
     assert_metadata_consistent(state)
 
 
+
+def test_a_large_commit_is_written_in_pieces_and_an_allocation_expiring_between_them_frees_only_the_rest(make_state):
+    """Each piece of a commit is written with the allocation's count of settled
+    keys: blocks committed so far stay whole and readable, and expiry deletes the
+    unsettled chunks only, never a committed block's."""
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(4 * 200), 4)  # 200 blocks: pieces of 64
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks:
+        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    steps = state.allocations.commit_steps(NS.digest, req)
+    while state.blocks.blocks == 0:
+        next(steps)
+    first = state.blocks.blocks
+    assert 0 < first < 200 and state.match(NS.digest, keys).matched == first
+    clock.now += 61  # past allocation_timeout, between two pieces
+    expired, garbage = state.expire_allocations()
+    assert expired == 1
+    chunk_ids = [[c.chunk_id for c in b.chunks] for b in alloc.blocks]
+    assert {c.chunk_id for c in garbage} == {c for ids in chunk_ids[first:] for c in ids}
+    with pytest.raises(NotFound):
+        next(steps)
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == first
+    assert [c.chunk_id for b in reply.blocks for c in b.chunks] == [c for ids in chunk_ids[:first] for c in ids]
+    assert_metadata_consistent(state)
+
+
+def test_a_commit_cut_short_between_pieces_is_finished_by_its_retry_and_none_runs_twice_at_once(make_state):
+    from kvfs.errors import Aborted
+
+    state = make_state()
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks[:150]:  # the last 50 blocks are abandoned
+        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    steps = state.allocations.commit_steps(NS.digest, req)
+    while state.blocks.blocks == 0:
+        next(steps)
+    first = state.blocks.blocks
+    with pytest.raises(Aborted):  # a retry while the first call still runs
+        next(state.allocations.commit_steps(NS.digest, req))
+    steps.close()  # the call is cancelled between two pieces
+    committed, already, garbage = state.commit(NS.digest, req)  # its retry
+    assert (committed, already) == (150 - first, first)
+    chunk_ids = [[c.chunk_id for c in b.chunks] for b in alloc.blocks]
+    assert {c.chunk_id for c in garbage} == {c for ids in chunk_ids[150:] for c in ids}
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 150
+    assert [c.chunk_id for b in reply.blocks for c in b.chunks] == [c for ids in chunk_ids[:150] for c in ids]
+    assert not state.allocations.open
+    assert_metadata_consistent(state)
+
+
+def test_a_block_whose_parent_goes_between_two_pieces_of_its_commit_is_garbage(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(4 * 130), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks:
+        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    steps = state.allocations.commit_steps(NS.digest, req)
+    while state.blocks.blocks == 0:
+        next(steps)
+    first = state.blocks.blocks
+    state.drop_lost_blocks([NS.digest + keys[first - 1]])  # the next piece's first parent, lost meanwhile
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+    committed, already, garbage = done.value.value
+    assert (committed, already) == (first, 0)
+    assert {c.chunk_id for c in garbage} >= {c.chunk_id for b in alloc.blocks[first:] for c in b.chunks}
+    state.drain_stranded()
+    assert state.match(NS.digest, keys).matched == first - 1
+    assert_metadata_consistent(state)
+
 def test_rewritten_rows_are_updated_in_place_not_stacked_in_the_memtable(tmp_path):
     """A hot prompt's rows are rewritten on every flush of its hits; stacked versions
     would make every lookup's range read step over all of them (db.py)."""
