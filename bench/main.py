@@ -296,15 +296,22 @@ def _meta_tables(r: dict) -> None:
             table.add_row(name, kind, str(s["count"]), f"{s.get('p50_ms', 0):.1f}", f"{s.get('p99_ms', 0):.1f}",
                           f"{s.get('max_ms', 0):.1f}", _wrong(s), errors)
     console.print(table)
-    table = Table(title="longest wait of a health Check sent every 10 ms by a probe process (ms), per phase")
-    for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "meanwhile"):
+    table = Table(title="longest wait of a health Check sent every 10 ms by a probe process (ms), and the "
+                        "metaserver's event-loop stalls (all / with its loop's thread on the CPU), per phase")
+    for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "stalls >50 ms", ">100 ms", "meanwhile"):
         table.add_column(col, justify="right")
     for name, p in r["phases"].items():
         pr = p["probe"]
+        stalls = p.get("loop_stalls", {})
+        over = [f"{stalls[k]['count']} / {stalls[k]['busy']}" if k in stalls else "-" for k in ("50ms", "100ms")]
         meanwhile = _meta_meanwhile(name, p)
         table.add_row(name, f"{p['seconds']:.1f}", str(pr["count"]), f"{pr.get('p50_ms', 0):.1f}",
-                      f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), meanwhile)
+                      f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), *over, meanwhile)
     console.print(table)
+    if "settle_s" in r:
+        console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "
+                      f"then" if r["settle_s"] is not None else "the eviction the fill started had not stopped 600 s "
+                      "after it; the steady phase ran beside it")
     rs = r["restart"]
     table = Table(title="restart on the same data: seconds from SIGTERM to exit, and from start to ...")
     for col in ("exited", "SERVING", f"a {rs['expected']}-block match", "RSS after MB"):

@@ -10,8 +10,9 @@ store nothing, so what is measured is the metaserver alone. In order:
               with `evict`, the fakes' capacity is sized so that the fill ends at
               95% of the cache, past the eviction high watermark;
   memory    - the metaserver's VmRSS and VmHWM and its data folder, per block held;
-  steady    - MatchPrefix latency of hits (prefixes of filled chains) and of
-              misses after block 1, every answer checked;
+  steady    - once the eviction the fill started is done: MatchPrefix latency
+              of hits (prefixes of filled chains) and of misses after block 1,
+              every answer checked;
   lifecycle - the same while RunLifecycle runs back to back;
   eviction  - the same while writers add chains until the metaserver evicts;
   repair    - the same once one fake server stopped heartbeating, was found
@@ -20,7 +21,11 @@ store nothing, so what is measured is the metaserver alone. In order:
               lookup of a filled chain matches in full.
 
 A probe process times a health Check every 10 ms throughout: per phase, the
-longest the metaserver's event loop kept a cheap call waiting. Every call has a
+longest the metaserver kept a cheap call waiting, whatever held it up (its
+event loop, or the machine's cores busy with the writers and fakes). The
+metaserver's own count of event-loop stalls (Status.loop_stalls) tells the two
+apart: per phase, the stalls over 50 and 100 ms, and of those the ones its
+loop's thread spent on the CPU. Every call has a
 deadline, so a metaserver that stalls or dies shows as timeouts and wrong
 answers in the report, not as a hung bench.
 """
@@ -298,6 +303,7 @@ class _Run:
         def sampler() -> Sampler:
             return Sampler(self.stub, targets, cfg.samples, cfg.deadline)
 
+        report["settle_s"] = await self._settle()
         async with self._phase("steady") as p:
             p["lookups"] = await sampler().run()
         await self._lifecycle_phase(sampler())
@@ -372,6 +378,23 @@ class _Run:
             after = await self._status()
             if before is not None and after is not None:
                 entry["status_change"] = {k: getattr(after, k) - getattr(before, k) for k in STATUS_COUNTERS}
+                entry["loop_stalls"] = {f"{a.over_s * 1e3:.0f}ms": {"count": a.count - b.count,
+                                                                     "busy": a.busy_count - b.busy_count}
+                                        for a, b in zip(after.loop_stalls, before.loop_stalls)}
+
+    async def _settle(self, timeout: float = 600) -> float | None:
+        """Waits until background eviction after the fill (down to the low watermark)
+        is done, so that the steady phase has nothing running beside it: the evicted
+        count still for 2 s. Seconds waited; None if it did not settle in `timeout`."""
+        t0, last, still = time.monotonic(), None, time.monotonic()
+        while time.monotonic() - t0 < timeout and self.meta.alive():
+            st = await self._status()
+            if st is not None and st.evicted_blocks != last:
+                last, still = st.evicted_blocks, time.monotonic()
+            elif time.monotonic() - still >= 2:
+                return still - t0
+            await asyncio.sleep(0.2)
+        return None
 
     def _log_warnings(self) -> int:
         try:

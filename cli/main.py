@@ -33,11 +33,21 @@ def _human(n: float) -> str:
     raise AssertionError
 
 
+def _stalls(status) -> str:
+    """'; event loop: 3 stalls over 100 ms (1 busy), the longest 180 ms' (nothing when none)."""
+    over = [s for s in status.loop_stalls if s.over_s >= 0.1 and s.count]
+    if not over:
+        return ""
+    return (f"; event loop: {over[0].count} stalls over {over[0].over_s * 1e3:.0f} ms ({over[0].busy_count} with "
+            f"its thread on the CPU), the longest {status.loop_longest_stall_s * 1e3:.0f} ms")
+
+
 def _status_table(status) -> Table:
     table = Table(title=f"kvfs: {status.blocks} blocks, {_human(status.block_bytes)}, replicas {status.replicas}, "
                         f"{status.chains} chains, {status.open_allocations} open allocations",
                   caption=f"cache {_human(status.cache_bytes)} of {_human(status.cache_capacity_bytes)}; evicted "
-                          f"{status.evicted_blocks}, expired {status.expired_blocks}, stranded {status.stranded_blocks}")
+                          f"{status.evicted_blocks}, expired {status.expired_blocks}, stranded {status.stranded_blocks}"
+                          + _stalls(status))
     for col in ("server", "address", "domain", "live", "chunks", "used", "capacity", "heartbeat"):
         table.add_column(col)
     for s in status.servers:

@@ -86,21 +86,47 @@ async def until_signalled() -> None:
 
 
 STALL_REPORT_EVERY = 10.0  # seconds: at most one stall line per this, with a count
+STALL_BOUNDS = (0.025, 0.05, 0.1, 0.25, 1.0)  # seconds: LoopStats counts the stalls longer than each
 
 
-async def watch_event_loop(log: logging.Logger, threshold: float = 0.1, tick: float = 0.01) -> None:
+class LoopStats:
+    """What watch_event_loop saw since the server started: per bound of
+    STALL_BOUNDS, how many stalls were longer, all of them (`over`) and those
+    during which the loop's thread was on the CPU at least 80% of the time
+    (`over_busy`: our own code held the loop, not other processes taking the
+    cores); and the longest stall."""
+
+    def __init__(self) -> None:
+        self.over = [0] * len(STALL_BOUNDS)
+        self.over_busy = [0] * len(STALL_BOUNDS)
+        self.longest = 0.0
+
+    def record(self, held: float, thread_cpu: float) -> None:
+        self.longest = max(self.longest, held)
+        busy = thread_cpu >= 0.8 * held
+        for i, bound in enumerate(STALL_BOUNDS):
+            if held > bound:
+                self.over[i] += 1
+                self.over_busy[i] += busy
+
+
+async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, threshold: float = 0.1,
+                           tick: float = 0.01) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
     that time the loop's thread, and the whole process, were on the CPU: the
     thread most of it, our own code held the loop; the process but not the
     thread, another thread held the GIL; neither, the machine did not run us (other
-    processes had the cores). At most one line every STALL_REPORT_EVERY seconds."""
+    processes had the cores). At most one line every STALL_REPORT_EVERY seconds.
+    Every stall longer than STALL_BOUNDS[0] is counted in `stats`."""
     worst, count, reported = 0.0, 0, time.monotonic()
     while True:
         t0, thread0, process0 = time.monotonic(), time.thread_time(), time.process_time()
         await asyncio.sleep(tick)
         now = time.monotonic()
         held = now - t0 - tick
+        if stats is not None and held > STALL_BOUNDS[0]:
+            stats.record(held, time.thread_time() - thread0)
         if held > threshold:
             count += 1
             if held > worst:

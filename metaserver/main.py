@@ -9,8 +9,8 @@ import sys
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvfs import tls
-from kvfs.serving import (bound_address, cluster_key, credentials, grpc_server, run_server, until_signalled,
-                          watch_event_loop, write_ready_file)
+from kvfs.serving import (LoopStats, bound_address, cluster_key, credentials, grpc_server, run_server,
+                          until_signalled, watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
@@ -32,7 +32,8 @@ async def serve(cfg: MetaserverConfig) -> None:
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
     server = grpc_server("metaserver", creds)
-    add_to_server(MetaServicer(state, lifecycle), server)
+    loop = LoopStats()
+    add_to_server(MetaServicer(state, lifecycle, loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
@@ -44,7 +45,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     write_ready_file(cfg.ready_file, address)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
              asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever()),
-             asyncio.create_task(watch_event_loop(log))]
+             asyncio.create_task(watch_event_loop(log, loop))]
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()

@@ -11,6 +11,7 @@ from kvfs.errors import InvalidArgument
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import handles_errors
+from kvfs.serving import STALL_BOUNDS, LoopStats
 
 from .lifecycle import Lifecycle
 from .records import parse_owner
@@ -49,9 +50,10 @@ def add_to_server(servicer: MetaServicer, server) -> None:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, state: MetaState, lifecycle: Lifecycle):
+    def __init__(self, state: MetaState, lifecycle: Lifecycle, loop: LoopStats | None = None):
         self.state = state
         self.lifecycle = lifecycle
+        self.loop = loop or LoopStats()
 
     @handles_errors
     async def Register(self, request, context):
@@ -108,7 +110,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      gc_deleted_chunks=st.gc_deleted_chunks, blocks_lost=st.blocks_lost,
                                      replicas_lost=st.replicas_lost, evicted_blocks=st.evicted_blocks,
                                      stranded_blocks=st.stranded_blocks, cache_bytes=st.cache_bytes,
-                                     cache_capacity_bytes=st.capacity_bytes())
+                                     cache_capacity_bytes=st.capacity_bytes(),
+                                     loop_longest_stall_s=self.loop.longest)
+        for bound, n, busy in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy):
+            reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy)
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

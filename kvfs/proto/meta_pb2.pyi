@@ -259,7 +259,7 @@ class ServerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes")
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,8 @@ class StatusReply(_message.Message):
     STRANDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LONGEST_STALL_S_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     blocks: int
     block_bytes: int
@@ -288,7 +290,19 @@ class StatusReply(_message.Message):
     stranded_blocks: int
     cache_bytes: int
     cache_capacity_bytes: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ...) -> None: ...
+    loop_stalls: _containers.RepeatedCompositeFieldContainer[LoopStalls]
+    loop_longest_stall_s: float
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ...) -> None: ...
+
+class LoopStalls(_message.Message):
+    __slots__ = ("over_s", "count", "busy_count")
+    OVER_S_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    BUSY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    over_s: float
+    count: int
+    busy_count: int
+    def __init__(self, over_s: _Optional[float] = ..., count: _Optional[int] = ..., busy_count: _Optional[int] = ...) -> None: ...
 
 class RebuildRequest(_message.Message):
     __slots__ = ()

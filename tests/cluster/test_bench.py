@@ -174,10 +174,15 @@ def test_meta_bench_report_shape(tmp_path):
     assert abs(disk["per_block"] - disk["bytes"] / disk["blocks"]) < 1e-9
     assert r["block_footprint_bytes"] == 2 << 20  # two 1 MiB slots
     assert set(r["phases"]) == {"fill", "steady", "lifecycle", "eviction", "repair"}
+    assert r["settle_s"] is not None and r["settle_s"] >= 0  # the fill's eviction was done before steady
     kinds = {"hit 32", "hit 512", "hit 2000", "miss after 1 (2000 keys)"}
     for name, phase in r["phases"].items():
         probe = phase["probe"]
         assert probe["count"] > 0 and probe["max_ms"] >= probe["p99_ms"] >= probe["p50_ms"] > 0
+        stalls = phase["loop_stalls"]  # the metaserver's own count, per phase: never negative, busy ones among all
+        assert set(stalls) == {"25ms", "50ms", "100ms", "250ms", "1000ms"}
+        assert all(0 <= s["busy"] <= s["count"] for s in stalls.values())
+        assert stalls["25ms"]["count"] >= stalls["50ms"]["count"] >= stalls["1000ms"]["count"]
         if name == "fill":
             continue
         assert set(phase["lookups"]) == kinds

@@ -14,7 +14,8 @@ from kvfs import serving
 async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, caplog, monkeypatch):
     monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
     log = logging.getLogger("test.watch")
-    watcher = asyncio.create_task(serving.watch_event_loop(log, threshold=0.1))
+    stats = serving.LoopStats()
+    watcher = asyncio.create_task(serving.watch_event_loop(log, stats, threshold=0.1))
     try:
         await asyncio.sleep(0.05)
         end = time.monotonic() + 0.25  # hold the loop: spinning (our code) or sleeping (starved)
@@ -32,3 +33,8 @@ async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, c
     assert held >= 200
     # spinning is on the CPU (some of it, however loaded the machine); sleeping is not
     assert (cpu >= 50) if busy else (cpu < held / 2)
+    # counted for Status: over 100 ms (and the smaller bounds), none over 1 s; a sleep is never "busy"
+    over = dict(zip(serving.STALL_BOUNDS, stats.over))
+    assert over[0.1] >= 1 and over[0.025] >= over[0.1] and over[1.0] == 0 and stats.longest >= 0.2
+    if not busy:
+        assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
