@@ -176,10 +176,13 @@ class Allocations:
         return reply
 
     def commit_steps(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
+                     discard: Callable[[list], None] = lambda chunks: None,
                      ) -> Generator[None, None, tuple[int, int, list]]:
         """Commits blocks of an allocation; returns (committed, already present, chunks
         that became garbage: those of blocks someone else committed first, and of
-        blocks whose parent expired meanwhile, which nothing could reach). A
+        blocks whose parent expired meanwhile, which nothing could reach; each
+        piece's are also passed to `discard` as soon as the piece is written, so a
+        commit cut short after some pieces does not leave theirs undeleted). A
         generator that yields between pieces of COMMIT_PIECE blocks, so a server can
         serve other calls while a large commit builds its rows, then decides and
         writes them. Each piece's decision (first writer wins, parent present) is
@@ -216,8 +219,11 @@ class Allocations:
         order = {k: i for i, k in enumerate(record.keys)}
         blocks = sorted(req.blocks, key=lambda b: order[b.key])  # parents before their children
         # an earlier commit of this allocation, cut short, settled the blocks before
-        # `settled`: committed them (their chunks are theirs now) or made them garbage
+        # `settled`: committed them (their chunks are theirs now; reported as already
+        # present) or made them garbage (and queued their chunks for deletion)
         before = sum(order[b.key] < record.settled for b in blocks)
+        already = sum(row is not None for row in self.blocks.live_rows([namespace_digest + b.key
+                                                                        for b in blocks[:before]]))
         blocks = blocks[before:]
         for key in record.keys[: record.settled]:
             chunks_by_key.pop(key)
@@ -241,12 +247,15 @@ class Allocations:
             # a retried commit, leaves alone what the pieces so far settled. Room was
             # made when the allocation was placed (it counts as incoming until settled);
             # should capacity have shrunk since, the background pass evicts, not a commit.
-            committed, already, garbage = 0, before, []
+            committed, garbage = 0, []
             pieces = range(0, max(1, len(blocks)), COMMIT_PIECE)
             for i in pieces:
                 yield
+                piece_garbage: list = []
                 n, present = self._settle(namespace_digest, req.allocation_id, alloc, blocks[i : i + COMMIT_PIECE],
-                                          order, rows, chunks_by_key, parents, garbage, last=i == pieces[-1])
+                                          order, rows, chunks_by_key, parents, piece_garbage, last=i == pieces[-1])
+                discard(piece_garbage)
+                garbage += piece_garbage
                 committed += n
                 already += present
             return committed, already, garbage

@@ -90,8 +90,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def CommitBlocks(self, request, context):
         evicted = self.state.evicted_blocks
         digest = namespace_digest(request.namespace, context)
-        committed, already, garbage = await self.state.commit_async(digest, request)
-        self.lifecycle.queue_deletes(garbage)
+        committed, already, _ = await self.state.commit_async(digest, request)  # its garbage is queued for deletion
         await self.state.durable()
         await self._free_evicted(evicted)
         return meta_pb2.CommitBlocksReply(committed=committed, already_present=already)

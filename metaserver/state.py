@@ -146,11 +146,13 @@ class MetaState:
                                                                      self.make_room_steps), self._write_turns)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
-        return run_steps(self.allocations.commit_steps(namespace_digest, req))
+        """Commits blocks (Allocations.commit_steps); the chunks that became garbage
+        are queued for deletion, a piece at a time, and returned."""
+        return run_steps(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes))
 
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
-        return await run_steps_async(self.allocations.commit_steps(namespace_digest, req),
+        return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
                                      self._write_turns)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:

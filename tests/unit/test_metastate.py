@@ -391,6 +391,24 @@ def test_a_commit_cut_short_between_pieces_is_finished_by_its_retry_and_none_run
     assert_metadata_consistent(state)
 
 
+
+def test_the_garbage_of_each_piece_is_queued_for_deletion_even_if_the_commit_is_cut_short(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    write(state, keys[:64])  # another writer's commit of the first 64 blocks lands first
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks:
+        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    steps = state.allocations.commit_steps(NS.digest, req, state.queue_deletes)
+    while state.allocations.open[alloc.allocation_id].record.settled == 0:
+        next(steps)
+    steps.close()  # cut short after its first piece: 64 blocks that lost the race
+    queued = {cid for per_server in state.undeleted.values() for cid in per_server}
+    assert {c.chunk_id for b in alloc.blocks[:64] for c in b.chunks} <= queued
+    assert not {c.chunk_id for b in alloc.blocks[64:] for c in b.chunks} & queued  # still the allocation's
+    assert_metadata_consistent(state)
+
 def test_a_block_whose_parent_goes_between_two_pieces_of_its_commit_is_garbage(make_state):
     clock = Clock()
     state = make_state(clock)
