@@ -51,15 +51,21 @@ def run_steps(steps):
 
 async def run_steps_async(steps, gate: asyncio.Lock):
     """run_steps(), serving the event loop between steps. Steps of all the calls
-    sharing `gate` take turns, one per turn of the loop: eight writers each with a
-    step ready would otherwise run eight steps between two polls of the sockets,
-    and keep every lookup and heartbeat waiting that long."""
+    sharing `gate` take turns, at most one per turn of the loop: eight writers each
+    with a step ready would otherwise run eight steps between two polls of the
+    sockets, and keep every lookup and heartbeat waiting that long. (Releasing the
+    gate at the end of a step is not enough for that: a writer that finds it free
+    and nobody waiting takes it in the same turn. So it is released in the next
+    turn, before which every other writer that came for it queues behind.)"""
+    loop = asyncio.get_running_loop()
     while True:
-        async with gate:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        await gate.acquire()
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        finally:
+            loop.call_soon(gate.release)
         await asyncio.sleep(0)
 
 

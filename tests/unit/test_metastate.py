@@ -449,3 +449,38 @@ def test_rewritten_rows_are_updated_in_place_not_stacked_in_the_memtable(tmp_pat
         assert entries() == before + 1 and db.get(b"l-row") == b"y" * 300
     finally:
         db.close()
+
+
+@pytest.mark.asyncio
+async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop():
+    """Eight writers with a step ready must not run eight steps between two polls of
+    the sockets (every lookup and heartbeat would wait that long)."""
+    import asyncio
+
+    from kvfs.metaserver.state import run_steps_async
+
+    loop = asyncio.get_running_loop()
+    turn, running = [0], [True]
+
+    def tick():  # counts the loop's turns: a callback that runs once in each
+        turn[0] += 1
+        if running[0]:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    seen = []
+
+    def steps(name):
+        for _ in range(5):
+            seen.append(turn[0])
+            yield
+        return name
+
+    gate = asyncio.Lock()
+    try:
+        results = await asyncio.gather(*(run_steps_async(steps(n), gate) for n in "abcdefgh"))
+    finally:
+        running[0] = False
+    assert results == list("abcdefgh") and len(seen) == 40
+    assert len(set(seen)) == len(seen)  # no two steps in one turn
+    assert not gate.locked()
