@@ -53,10 +53,15 @@ def cluster_key(cfg, name: str) -> bytes | None:
         raise SystemExit(f"{name}: cluster key: {err}") from None
 
 
-def grpc_server(name: str, creds: tls.Credentials | None) -> grpc.aio.Server:
+def grpc_server(name: str, creds: tls.Credentials | None, max_receive: int | None = None) -> grpc.aio.Server:
     """A gRPC server whose every call is checked against kvfs.auth.RULES (none over
-    plaintext: an --insecure server has no identities to check)."""
-    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[Authorizer(name)] if creds else [])
+    plaintext: an --insecure server has no identities to check). With
+    `max_receive`, gRPC refuses larger requests (RESOURCE_EXHAUSTED) before
+    reading them, in place of the limit CHANNEL_OPTIONS sets for chunk data."""
+    options = dict(CHANNEL_OPTIONS)
+    if max_receive is not None:
+        options["grpc.max_receive_message_length"] = max_receive
+    return grpc.aio.server(options=list(options.items()), interceptors=[Authorizer(name)] if creds else [])
 
 
 def bound_address(listen: str, port: int) -> str:

@@ -43,6 +43,9 @@ class MetaserverConfig:
     cache_size: int = size_field(256 * MiB, "RocksDB block cache: metadata kept in memory beyond the OS page "
                                  "cache (the metaserver holds nothing per block besides)")
     max_keys: int = option(100_000, "most keys in one MatchPrefix or AllocateBlocks")
+    max_request_bytes: int = size_field(64 * MiB, "largest gRPC request the metaserver reads; a larger one is "
+                                        "refused (RESOURCE_EXHAUSTED) before it is read. The largest real one, a "
+                                        "CommitBlocks of max_keys MLA blocks, is about 25 MB")
     max_layers: int = option(1024, "most layers in the block layout of an AllocateBlocks")
     max_block_bytes: int = size_field(256 * MiB, "largest block (a layout's payload bytes) an AllocateBlocks may "
                                       "ask for")

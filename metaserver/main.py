@@ -31,7 +31,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     state = MetaState(cfg, key=cluster_key(cfg, "metaserver"))
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
-    server = grpc_server("metaserver", creds)
+    server = grpc_server("metaserver", creds, cfg.max_request_bytes)
     loop = LoopStats()
     add_to_server(MetaServicer(state, lifecycle, loop), server)
     health_servicer = health.aio.HealthServicer()
