@@ -5,7 +5,9 @@ from __future__ import annotations
 import grpc
 
 from kvfs import tls
-from kvfs.errors import DataLoss, InvalidArgument, KvfsError, from_code, from_rpc_error
+from kvfs.auth import caller_of
+from kvfs.errors import DataLoss, InvalidArgument, KvfsError, PermissionDenied, from_code, from_rpc_error
+from kvfs.grants import owner_sealed, parse_owner
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
@@ -21,7 +23,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                  cluster_key: bytes | None = None):
         self.store = store
         self.creds = creds  # presented to CopyChunk sources
-        self.cluster_key = cluster_key  # seals write receipts; None: --insecure, no receipts
+        self.cluster_key = cluster_key  # checks write grants, seals receipts; None: --insecure, neither
         self.data_address = data_address
         self._peers: dict[str, grpc.aio.Channel] = {}  # CopyChunk sources
 
@@ -46,6 +48,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                 header = msg.header
                 if not 0 < header.length <= max_len:
                     raise InvalidArgument(f"chunk length must be 1..{max_len} bytes, got {header.length}")
+                self._check_grant(header, context)
             elif msg.HasField("header"):
                 raise InvalidArgument("only the first WriteChunk message may carry a header")
             received += len(msg.data)
@@ -64,6 +67,22 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         receipt = (tls.seal(self.cluster_key, tls.RECEIPT, header.chunk_id, header.checksum, self.store.cfg.id)
                    if self.cluster_key else b"")
         return chunk_pb2.WriteChunkReply(created=created, receipt=receipt)
+
+    def _check_grant(self, header: chunk_pb2.ChunkHeader, context) -> None:
+        """A worker writes a chunk only under the owner record the metaserver sealed
+        for its id at allocation (kvfs.grants), checked before any of its bytes are
+        read. A caller that is also an admin or a server is not asked for one: it
+        may list and delete any chunk already."""
+        if self.cluster_key is None:
+            return
+        caller = caller_of(context)
+        if caller is not None and caller.roles & {tls.ADMIN, tls.SERVER}:
+            return
+        owner = parse_owner(header.owner)
+        if owner is None or not owner_sealed(self.cluster_key, owner, header.chunk_id):
+            raise PermissionDenied(f"chunk {short_id(header.chunk_id)}: no owner record sealed by the metaserver "
+                                   f"for this chunk id; chunks are written as AllocateBlocks placed them, each "
+                                   f"with its placement's owner_seal")
 
     async def ReadChunks(self, request, context):
         # A streaming handler cannot use @handles_errors's return path: errors abort here.

@@ -14,6 +14,7 @@ import grpc
 from kvfs import tls
 from kvfs.buffers import byte_view
 from kvfs.errors import InvalidArgument, KvfsError, from_rpc_error
+from kvfs.grants import owner_record
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -241,11 +242,8 @@ class Client:
                     chunk[s : s + n] = src[d : d + n]
                 xxh = chunk_checksum(chunk)
                 entry.chunk_checksums.append(xxh)
-                owner = meta_pb2.ChunkOwner(namespace_digest=namespace.digest, block_key=block.key,
-                                            chunk_index=len(entry.chunk_checksums) - 1,
-                                            chunk_count=len(block.chunks), layout=_layout_msg(layout),
-                                            ttl_class=ttl_class, chunk_size=alloc.chunk_size,
-                                            seal=placement.owner_seal).SerializeToString()
+                owner = owner_record(namespace.digest, block.key, len(entry.chunk_checksums) - 1, len(block.chunks),
+                                     _layout_msg(layout), alloc.chunk_size, placement.owner_seal, ttl_class)
                 for address in placement.addresses:
                     jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh, entry))
                 written += span.length

@@ -37,7 +37,8 @@ RULES: dict[str, frozenset[str]] = {
     # operator commands (`kvfs rebuild`, `kvfs gc`)
     _META + "Rebuild": frozenset({ADMIN, SERVER}),
     _META + "RunLifecycle": frozenset({ADMIN, SERVER}),
-    # chunk bytes: workers write and restore; servers read a source chunk for CopyChunk
+    # chunk bytes: workers write (each chunk under its write grant, kvfs.grants) and restore;
+    # servers read a source chunk for CopyChunk
     _CHUNK + "WriteChunk": frozenset({WORKER}),
     _CHUNK + "ReadChunks": frozenset({WORKER, SERVER}),
     # inventory and removal: the metaserver (GC, eviction, rebuild) and operators

@@ -15,6 +15,7 @@ from rocksdict import WriteBatch
 
 from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvfs.keys import KEY_BYTES
+from kvfs.grants import owner_seal
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
 
@@ -23,7 +24,7 @@ from .chains import Placer
 from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership, ServerState
-from .records import ALLOC, Row, owner_seal
+from .records import ALLOC, Row
 
 log = logging.getLogger(__name__)
 

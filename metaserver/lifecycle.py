@@ -26,7 +26,7 @@ from kvfs import tls
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
-from .records import parse_owner
+from kvfs.grants import parse_owner
 from .state import MetaState
 
 log = logging.getLogger(__name__)

@@ -35,13 +35,9 @@ into its reply without parsing a message per chunk.
 
 from __future__ import annotations
 
-import hmac
 import struct
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
-
-from kvfs import tls
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
@@ -221,29 +217,3 @@ def server_entry(record: meta_pb2.ServerRecord | None) -> bytes:
     body = meta_pb2.Server(id=record.id, address=record.address, failure_domain=record.failure_domain,
                            data_address=record.data_address).SerializeToString()
     return b"\x1a" + _varint(len(body)) + body
-
-
-def owner_seal(key: bytes, full: bytes, index: int, count: int, layout: meta_pb2.BlockLayout, chunk_size: int,
-               chunk_id: bytes) -> bytes:
-    """The metaserver's seal on a chunk's owner record (ChunkOwner.seal): everything
-    in it but the TTL class, and the chunk id, so a rebuild takes from an inventory
-    only owner records the metaserver issued, each for its own chunk."""
-    return tls.seal(key, tls.OWNER, full[:KEY_BYTES], full[KEY_BYTES:], index, count, layout.layers,
-                    layout.block_tokens, layout.kv_dim, layout.dtype, chunk_size, chunk_id)
-
-
-def owner_sealed(key: bytes, owner: meta_pb2.ChunkOwner, chunk_id: bytes) -> bool:
-    return hmac.compare_digest(owner.seal, owner_seal(key, owner.namespace_digest + owner.block_key,
-                                                      owner.chunk_index, owner.chunk_count, owner.layout,
-                                                      owner.chunk_size, chunk_id))
-
-
-def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
-    """A chunk's owner record (written by its writer, kept by the chunkserver), or
-    None if there is none or it does not parse."""
-    if not raw:
-        return None
-    try:
-        return meta_pb2.ChunkOwner.FromString(raw)
-    except DecodeError:
-        return None

@@ -37,7 +37,7 @@ from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
 from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle
-from .records import owner_seal, parse_owner
+from kvfs.grants import owner_seal, parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from kvfs.rpc import handles_errors
 from kvfs.serving import STALL_BOUNDS, LoopStats
 
 from .lifecycle import Lifecycle
-from .records import parse_owner
+from kvfs.grants import parse_owner
 from .state import MetaState
 
 # After an eviction, how long a writer's call waits for the deletes to reach the

@@ -31,7 +31,7 @@ from .config import MetaserverConfig
 from . import records
 from .db import MetaDB
 from .membership import Membership, ServerState
-from .records import parse_owner
+from kvfs.grants import owner_sealed, parse_owner
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ class MetaState:
             owner = parse_owner(info.owner)
             if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF:
                 continue
-            if self.key and not records.owner_sealed(self.key, owner, info.chunk_id):
+            if self.key and not owner_sealed(self.key, owner, info.chunk_id):
                 self.forged_owners += 1  # not an owner record this metaserver issued for this chunk
                 continue
             batch.put(*records.staged_chunk(owner.namespace_digest + owner.block_key, owner.chunk_index, server,

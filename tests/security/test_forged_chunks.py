@@ -1,11 +1,16 @@
 """A chunk rewritten behind the metaserver's back is never restored.
 
 The attack (issue "Tenancy you can trust", class (b)): delete a committed chunk
-on every replica and write the same chunk id again with other bytes. The
-chunkservers accept it, since its checksums are consistent with its own bytes,
-so only the reader can notice: every transport checks that the chunk's block
-checksums hash to the checksum the metaserver committed (kvfs/checksum.py).
-Written from raw chunk calls, as an attacker with chunkserver access would.
+on every replica and write the same chunk id again with other bytes. A worker
+cannot (a chunkserver stores a chunk only under the owner record the metaserver
+sealed for its id: tests/security/test_write_grants.py), but an attacker with
+chunkserver access can: an admin or server certificate lists owner records and
+deletes chunks, and the seal grants writing a chunk id, not particular bytes
+(it is made at allocation, before there are any). The chunkservers accept the
+forged bytes, since their checksums are consistent with themselves, so only the
+reader can notice: every transport checks that the chunk's block checksums hash
+to the checksum the metaserver committed (kvfs/checksum.py). Written from raw
+chunk calls, as such an attacker would.
 """
 
 import os
@@ -23,14 +28,20 @@ NS = Namespace("tenant-a", "deepseek-v3")
 MLA = BlockLayout.mla()
 
 
+async def rewrite(raw: ChunkClient, chunk_id: bytes, data: bytes) -> None:
+    """Deletes a chunk and writes other bytes under its id, replaying its sealed owner record."""
+    owner = [info.owner async for info in raw.list() if info.chunk_id == chunk_id][0]
+    assert await raw.delete([chunk_id]) == (1, 0)
+    assert await raw.write(chunk_id, data, owner=owner)
+
+
 async def forge(match, block: int, chunk: int = 0) -> bytes:
     """Replaces one chunk of a matched block on every server holding it; the forged bytes."""
     c = match.blocks[block].chunks[chunk]
     forged = os.urandom(c.length)
     for i in c.replicas:
         async with ChunkClient(match.servers[i].address) as raw:
-            assert await raw.delete([c.chunk_id]) == (1, 0)
-            assert await raw.write(c.chunk_id, forged)  # the server computes the forged bytes' checksums
+            await rewrite(raw, c.chunk_id, forged)  # the server computes the forged bytes' checksums
             assert await raw.read_chunk(c.chunk_id) == forged  # and serves them to anyone who asks it
     return forged
 
@@ -62,8 +73,7 @@ async def test_a_chunk_rewritten_on_one_replica_is_read_from_another(local_clust
         match = await client.lookup(NS, tokens)
         c = match.blocks[0].chunks[0]
         async with ChunkClient(match.servers[c.replicas[0]].address) as raw:
-            await raw.delete([c.chunk_id])
-            await raw.write(c.chunk_id, os.urandom(c.length))
+            await rewrite(raw, c.chunk_id, os.urandom(c.length))
         # every read of that chunk tries the forged replica first or second; either way the
         # restore is exact, and whenever the forged copy was read it was refused
         for _ in range(3):

@@ -268,7 +268,7 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
 def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
     import os
 
-    from kvfs.metaserver import records
+    from kvfs.grants import owner_sealed
     from kvfs.proto import chunk_pb2
 
     state = make_state()
@@ -296,7 +296,7 @@ def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
         info(k2, c2.chunk_id, c2.owner_seal, block_key=b"x" * 16),  # a sealed record, edited
     ])
     assert staged == 1 and state.forged_owners == 4
-    assert records.owner_sealed(state.key, meta_pb2.ChunkOwner.FromString(
+    assert owner_sealed(state.key, meta_pb2.ChunkOwner.FromString(
         info(k0, c0.chunk_id, c0.owner_seal).owner), c0.chunk_id)
 
 
