@@ -29,6 +29,9 @@ class ChunkserverConfig:
     scrub_interval: float = duration_field(3600.0, "pause between two full scrub passes")
     data_listen: str = option("", "host:port of the bulk data port (default: the gRPC host and a free "
                               "port; 'off' serves reads over gRPC only)")
+    data_request_timeout: float = duration_field(10.0, "a data-port request must arrive whole, header and body, "
+                                                 "within this long of its first byte, or its connection is closed")
+    data_peer_connections: int = option(64, "most data-port connections one client host may hold open (of 256)")
     meta: str = option("", "metaserver host:port to register with (empty: standalone)")
     advertise: str = option("", "address clients use to reach this server (default: the bound one)")
     tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "

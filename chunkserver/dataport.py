@@ -3,8 +3,13 @@
 One thread per connection (socketserver), blocking sockets, requests served in
 the order they arrive (a client pipelines many and opens a few connections).
 Memory per connection is bounded: one request body (<= wire.MAX_BODY) and, in
-direct mode, the aligned buffers of one request (<= max_read_bytes). A client
-that stops reading is cut off after `send_timeout`.
+direct mode, the aligned buffers of one request (<= max_read_bytes). Time and
+slots are bounded too: a request must arrive whole within `data_request_timeout`
+of its first byte (a connection may idle IDLE_TIMEOUT between requests), a
+client that stops reading is cut off after SEND_TIMEOUT, and one client host
+holds at most `data_peer_connections` of the MAX_CONNECTIONS slots: a host that
+opens connections and sends half a header holds them seconds, not minutes, and
+never all of them.
 
   buffered mode: the reply header, then every range straight from the page cache
                  with sendfile(2): the bytes never enter this process;
@@ -61,6 +66,11 @@ def _fail_range(reply: wire.RangeResult, code: int, message: str) -> None:
     reply.checksums = ()
 
 
+def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -85,7 +95,7 @@ class _Handler(socketserver.BaseRequestHandler):
         # blocking syscalls with kernel timeouts: a Python-level timeout would put
         # a poll() before every send and sendfile
         self.sock.settimeout(None)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(IDLE_TIMEOUT), 0))
+        _set_recv_timeout(self.sock, IDLE_TIMEOUT)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
 
     def handle(self) -> None:
@@ -93,14 +103,22 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             while True:
                 try:
-                    raw = _recv_exact(self.sock, wire.HEADER.size)
+                    first = _recv_exact(self.sock, 1)
                 except (_Closed, BlockingIOError):
                     return  # the client closed, or stayed idle past IDLE_TIMEOUT
                 request_id = 0
                 try:
-                    header = wire.parse_header(raw)
-                    request_id = header.request_id
-                    body = _recv_exact(self.sock, header.body_len)
+                    _set_recv_timeout(self.sock, self.server.request_timeout)  # the rest of it, promptly
+                    try:
+                        header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1))
+                        request_id = header.request_id
+                        body = _recv_exact(self.sock, header.body_len)
+                    except BlockingIOError:
+                        log.warning("data port: %s sent part of a request and nothing more for %.0f s; closing",
+                                    peer, self.server.request_timeout)
+                        self.store.counters.rejected_requests += 1
+                        return
+                    _set_recv_timeout(self.sock, IDLE_TIMEOUT)
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
                     else:
@@ -273,25 +291,44 @@ class DataServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], store: ChunkStore):
+    def __init__(self, address: tuple[str, int], store: ChunkStore, request_timeout: float = 10.0,
+                 peer_connections: int = 64):
         self.store = store
+        self.request_timeout = request_timeout
+        self.peer_connections = peer_connections
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="shm-read")
-        self._open: set[socket.socket] = set()
+        self._open: dict[socket.socket, str] = {}  # connection -> its peer's host
+        self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def verify_request(self, request, client_address) -> bool:
+        host = client_address[0]
         with self._lock:
             if len(self._open) >= MAX_CONNECTIONS:
                 log.warning("data port: refusing %s: %d connections open", client_address, len(self._open))
                 return False
-            self._open.add(request)
+            if self._per_peer.get(host, 0) >= self.peer_connections:
+                log.warning("data port: refusing %s: %s holds %d connections already (data_peer_connections)",
+                            client_address, host, self._per_peer[host])
+                return False
+            self._open[request] = host
+            self._per_peer[host] = self._per_peer.get(host, 0) + 1
             return True
 
     def shutdown_request(self, request) -> None:
         with self._lock:
-            self._open.discard(request)
+            host = self._open.pop(request, None)
+            if host is not None:
+                self._per_peer[host] -= 1
+                if not self._per_peer[host]:
+                    del self._per_peer[host]
         super().shutdown_request(request)
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
 
     @property
     def address(self) -> str:
@@ -299,9 +336,10 @@ class DataServer(socketserver.ThreadingTCPServer):
         return f"{host}:{port}"
 
 
-def start_data_server(listen: str, store: ChunkStore) -> DataServer:
+def start_data_server(listen: str, store: ChunkStore, request_timeout: float = 10.0,
+                      peer_connections: int = 64) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store)
+    server = DataServer((host, int(port)), store, request_timeout, peer_connections)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
     log.info("data port serving on %s (%s reads)", server.address,
              "sendfile" if store.io_mode == "buffered" else "io_uring")

@@ -30,7 +30,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
                          f"metaserver accepts it only as that id (issue one for {cfg.id!r} or pass --id)")
     store = ChunkStore(cfg)
     host = cfg.listen.rsplit(":", 1)[0]
-    data = start_data_server(cfg.data_listen or f"{host}:0", store) if cfg.data_listen != "off" else None
+    data = (start_data_server(cfg.data_listen or f"{host}:0", store, cfg.data_request_timeout,
+                              cfg.data_peer_connections) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     advertised = cfg.advertise or address
