@@ -55,6 +55,7 @@ class PrefixMatch:
     blocks: list = field(repr=False)
     servers: list[ServerInfo] = field(repr=False)
     lookup_seconds: float = 0.0
+    read_grant: bytes = field(default=b"", repr=False)  # chunkservers ask for it with every read
 
     @property
     def tokens(self) -> int:
@@ -183,7 +184,7 @@ class Client:
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
         return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, list(reply.blocks),
                            [ServerInfo(s.id, s.address, s.data_address) for s in reply.servers],
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, reply.read_grant)
 
     def read(self, match: PrefixMatch, out, *, layers: Iterable[int] | None = None, blocks: int | None = None,
              buffer_tokens: int | None = None) -> Restore:

@@ -1,16 +1,23 @@
-"""Owner records and their seals: the metaserver's grant to write a chunk.
+"""Grants: what the metaserver lets a worker do with chunks, sealed with the
+cluster key (kvfs.tls.seal) so that chunkservers can check it on their own.
 
-At allocation the metaserver seals each chunk's owner record (ChunkOwner: the
-block it belongs to, its place in the block, the layout) with the cluster key
-(kvfs.tls.seal), over the chunk id too. The writer hands the sealed record to
-every chunkserver it writes the chunk to; a chunkserver that holds the cluster
-key stores a chunk only under a record the metaserver sealed for that chunk id,
-and a rebuild takes from the servers' inventories only sealed records.
+Writing. At allocation the metaserver seals each chunk's owner record
+(ChunkOwner: the block it belongs to, its place in the block, the layout), over
+the chunk id too. The writer hands the sealed record to every chunkserver it
+writes the chunk to; a chunkserver stores a worker's chunk only under a record
+the metaserver sealed for that chunk id, and a rebuild takes from the servers'
+inventories only sealed records.
+
+Reading. With each lookup the metaserver mints a read grant for the caller's
+namespace, good until an expiry: the namespace digest, the expiry, and their
+seal (READ_GRANT_BYTES in all). A chunkserver serves a worker's read of a chunk
+only with a valid grant for the namespace the chunk's owner record names.
 """
 
 from __future__ import annotations
 
 import hmac
+import struct
 
 from google.protobuf.message import DecodeError
 
@@ -52,3 +59,32 @@ def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
         return meta_pb2.ChunkOwner.FromString(raw)
     except DecodeError:
         return None
+
+
+READ_GRANT_BYTES = KEY_BYTES + 8 + tls.SEAL_BYTES
+
+
+def read_grant(key: bytes, namespace_digest: bytes, expires_at: float) -> bytes:
+    """A grant to read the chunks of one namespace until `expires_at` (unix seconds)."""
+    expires = struct.pack(">Q", int(expires_at))
+    return namespace_digest + expires + tls.seal(key, tls.READ, namespace_digest, expires)
+
+
+def granted_namespace(key: bytes, grant: bytes, now: float) -> bytes | None:
+    """The namespace a read grant is good for, or None if it is malformed, not sealed
+    with `key`, or expired at `now`."""
+    if len(grant) != READ_GRANT_BYTES:
+        return None
+    namespace_digest, expires, mac = grant[:KEY_BYTES], grant[KEY_BYTES : KEY_BYTES + 8], grant[KEY_BYTES + 8 :]
+    if not hmac.compare_digest(mac, tls.seal(key, tls.READ, namespace_digest, expires)):
+        return None
+    return namespace_digest if now <= struct.unpack(">Q", expires)[0] else None
+
+
+def owner_namespace(raw: bytes) -> bytes:
+    """The namespace digest a chunk's stored owner record names (b"" for none).
+    Serialized records start with it (field 1, 16 bytes): read without parsing."""
+    if raw[:2] == b"\n\x10":
+        return raw[2 : 2 + KEY_BYTES]
+    owner = parse_owner(raw)
+    return owner.namespace_digest if owner is not None else b""

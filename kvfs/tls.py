@@ -144,7 +144,8 @@ def from_config(cfg) -> Credentials | None:
 
 CLUSTER_KEY = "cluster.key"  # beside the CA in a LocalCA folder and in what `kvfs tls ca` writes
 SEAL_BYTES = 16
-RECEIPT, OWNER = b"kvfs-receipt", b"kvfs-owner"  # what a seal vouches for: a stored copy; an owner record
+# what a seal vouches for: a stored copy; an owner record; the right to read a namespace's chunks
+RECEIPT, OWNER, READ = b"kvfs-receipt", b"kvfs-owner", b"kvfs-read"
 
 
 def make_cluster_key(path: str | os.PathLike) -> None:

@@ -43,6 +43,9 @@ class MetaserverConfig:
     cache_size: int = size_field(256 * MiB, "RocksDB block cache: metadata kept in memory beyond the OS page "
                                  "cache (the metaserver holds nothing per block besides)")
     max_keys: int = option(100_000, "most keys in one MatchPrefix or AllocateBlocks")
+    read_grant_ttl: float = duration_field(300.0, "how long the read grant a lookup returns stays good: a "
+                                           "restore must start within it (chunkservers need clocks within "
+                                           "seconds of the metaserver's)")
     max_request_bytes: int = size_field(64 * MiB, "largest gRPC request the metaserver reads; a larger one is "
                                         "refused (RESOURCE_EXHAUSTED) before it is read. The largest real one, a "
                                         "CommitBlocks of max_keys MLA blocks, is about 25 MB")

@@ -31,7 +31,7 @@ from .config import MetaserverConfig
 from . import records
 from .db import MetaDB
 from .membership import Membership, ServerState
-from kvfs.grants import owner_sealed, parse_owner
+from kvfs.grants import owner_sealed, parse_owner, read_grant
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,12 @@ class MetaState:
                                      self._write_turns)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
-        """MatchPrefix's reply, serialized."""
-        return self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
+        """MatchPrefix's reply, serialized, with a read grant for the namespace."""
+        reply = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
+        if self.key is None:
+            return reply
+        grant = read_grant(self.key, namespace_digest, self.clock() + self.cfg.read_grant_ttl)
+        return reply + b"\x22" + bytes([len(grant)]) + grant  # field 4, under 128 bytes
 
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> meta_pb2.MatchPrefixReply:
         return meta_pb2.MatchPrefixReply.FromString(self.match_bytes(namespace_digest, keys))

@@ -223,14 +223,16 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
-    __slots__ = ("matched", "blocks", "servers")
+    __slots__ = ("matched", "blocks", "servers", "read_grant")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    READ_GRANT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     servers: _containers.RepeatedCompositeFieldContainer[Server]
-    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., servers: _Optional[_Iterable[_Union[Server, _Mapping]]] = ...) -> None: ...
+    read_grant: bytes
+    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., servers: _Optional[_Iterable[_Union[Server, _Mapping]]] = ..., read_grant: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
