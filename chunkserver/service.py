@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from kvfs import tls
 from kvfs.auth import caller_of
 from kvfs.errors import DataLoss, InvalidArgument, KvfsError, PermissionDenied, from_code, from_rpc_error
-from kvfs.grants import owner_sealed, parse_owner
+from kvfs.grants import granted_namespace, owner_sealed, parse_owner
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
@@ -68,6 +70,20 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                    if self.cluster_key else b"")
         return chunk_pb2.WriteChunkReply(created=created, receipt=receipt)
 
+    def _granted(self, grant: bytes, context) -> bytes | None:
+        """The namespace a worker's read grant lets it read (None: no check, for an
+        --insecure server, or a caller that is also an admin or a server)."""
+        if self.cluster_key is None:
+            return None
+        caller = caller_of(context)
+        if caller is not None and caller.roles & {tls.ADMIN, tls.SERVER}:
+            return None
+        namespace = granted_namespace(self.cluster_key, grant, time.time())
+        if namespace is None:
+            raise PermissionDenied("no valid read grant: a worker reads chunks with the read_grant of the lookup "
+                                   "that found them, before it expires (read_grant_ttl); look the prompt up again")
+        return namespace
+
     def _check_grant(self, header: chunk_pb2.ChunkHeader, context) -> None:
         """A worker writes a chunk only under the owner record the metaserver sealed
         for its id at allocation (kvfs.grants), checked before any of its bytes are
@@ -87,7 +103,9 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     async def ReadChunks(self, request, context):
         # A streaming handler cannot use @handles_errors's return path: errors abort here.
         try:
-            results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges])
+            namespace = self._granted(request.read_grant, context)
+            results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges],
+                                            namespace=namespace)
         except KvfsError as err:
             self.on_error(err)
             await abort(context, "ReadChunks", err)

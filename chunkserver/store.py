@@ -39,6 +39,7 @@ from kvfs.buffers import PAGE, aligned_bytearray
 from kvfs.checksum import BLOCK, block_checksum, block_checksums, checksum_of_blocks
 from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
+from kvfs.grants import owner_namespace
 
 from .config import ChunkserverConfig
 from .slots import SlotFiles, SlotRef, probe_direct
@@ -348,11 +349,14 @@ class ChunkStore:
 
     # -- reads -------------------------------------------------------------
 
-    def plan_reads(self, ranges: list[tuple[bytes, int, int]]) -> tuple[list[ReadResult], list[PlannedRead]]:
+    def plan_reads(self, ranges: list[tuple[bytes, int, int]],
+                   namespace: bytes | None = None) -> tuple[list[ReadResult], list[PlannedRead]]:
         """Validates (chunk id, offset, length) ranges (length 0: to the end) and
         pins the slots of the good ones. Bad ranges get their error result
-        (NOT_FOUND, OUT_OF_RANGE); a bad request as a whole raises InvalidArgument.
-        Callers must release() the plan. Safe from any thread."""
+        (NOT_FOUND, OUT_OF_RANGE; with `namespace`, the one a read grant is for,
+        PERMISSION_DENIED for a chunk whose owner record names another); a bad
+        request as a whole raises InvalidArgument. Callers must release() the
+        plan. Safe from any thread."""
         if len(ranges) > self.cfg.max_ranges:
             raise InvalidArgument(f"{len(ranges)} ranges in one read; at most {self.cfg.max_ranges}")
         results = [ReadResult() for _ in ranges]
@@ -361,6 +365,10 @@ class ChunkStore:
         for i, (chunk_id, offset, length) in enumerate(ranges):
             self._check_id(chunk_id)
             rec = self.get(chunk_id)
+            if rec is not None and namespace is not None and owner_namespace(rec.owner) != namespace:
+                results[i] = ReadResult(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"chunk {short_id(chunk_id)} is not in the namespace the read grant is for")
+                continue
             if rec is not None:
                 length = length or rec.length - offset
                 if offset >= rec.length or length <= 0 or offset + length > rec.length:
@@ -429,17 +437,20 @@ class ChunkStore:
             suspects, self._suspects = self._suspects, {}
         return suspects
 
-    async def read(self, ranges: list[tuple[bytes, int, int]], scrub: bool = False) -> list[ReadResult]:
+    async def read(self, ranges: list[tuple[bytes, int, int]], scrub: bool = False,
+                   namespace: bytes | None = None) -> list[ReadResult]:
         """Reads (chunk id, offset, length) ranges; length 0 means to the end.
 
         Each range gets its own result: NOT_FOUND, OUT_OF_RANGE and DATA_LOSS
         (checksum mismatch, logged and never served) are per range. `scrub`
-        verifies without returning bytes or counting a client read.
+        verifies without returning bytes or counting a client read. `namespace`:
+        as plan_reads.
         """
-        return await run_to_completion(self._read(ranges, scrub))
+        return await run_to_completion(self._read(ranges, scrub, namespace))
 
-    async def _read(self, ranges: list[tuple[bytes, int, int]], scrub: bool = False) -> list[ReadResult]:
-        results, plan = self.plan_reads(ranges)
+    async def _read(self, ranges: list[tuple[bytes, int, int]], scrub: bool,
+                    namespace: bytes | None) -> list[ReadResult]:
+        results, plan = self.plan_reads(ranges, namespace)
         ops = self.disk_reads(plan)
         try:
             done = await asyncio.wrap_future(self.reader.read_batch(ops))

@@ -66,12 +66,13 @@ class ChunkClient:
 
         return await self._call(self._stub.WriteChunk(messages(), timeout=timeout))
 
-    async def read(self, ranges: Sequence[tuple[bytes, int, int]],
-                   timeout: float = 60) -> list[chunk_pb2.RangeResult]:
+    async def read(self, ranges: Sequence[tuple[bytes, int, int]], timeout: float = 60,
+                   read_grant: bytes = b"") -> list[chunk_pb2.RangeResult]:
         """Reads (chunk id, offset, length) ranges in one call; each result has
-        its own `code` (0 is OK) so one bad chunk does not fail the rest."""
+        its own `code` (0 is OK) so one bad chunk does not fail the rest. A worker
+        passes the read grant of the lookup that found the chunks."""
         request = chunk_pb2.ReadChunksRequest(
-            ranges=[chunk_pb2.ReadRange(chunk_id=c, offset=o, length=n) for c, o, n in ranges])
+            ranges=[chunk_pb2.ReadRange(chunk_id=c, offset=o, length=n) for c, o, n in ranges], read_grant=read_grant)
         try:
             results = [r async for r in self._stub.ReadChunks(request, timeout=timeout)]
         except grpc.aio.AioRpcError as err:

@@ -124,7 +124,7 @@ class Restore:
                 sub = layout.span_of(lo, hi - lo)
                 spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, c.checksum,
                                 layout.scatter(sub, b, tokens),
-                                Fence() if hedging is not None and len(c.replicas) > 1 else None)
+                                Fence() if hedging is not None and len(c.replicas) > 1 else None, match.read_grant)
                 items.append(_Item(b, spec, need, [match.servers[i] for i in c.replicas]))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))

@@ -76,6 +76,7 @@ class ReadSpec:
     # the reader that claims it writes into the destination; a fenced range is never
     # read by a server straight into the destination, since that write can't be fenced
     fence: Fence | None = None
+    grant: bytes = b""  # the read grant of the lookup that found the chunk (PrefixMatch.read_grant)
 
     def claim(self, reader: object) -> bool:
         return self.fence is None or self.fence.claim(reader)
@@ -137,7 +138,8 @@ class GrpcTransport:
         client: ChunkClient = self._clients(server.address)
         widened = [wire.widen(s.offset, s.length, s.chunk_length) for s in specs]  # whole checksum blocks
         try:
-            results = await client.read([(s.chunk_id, start, n) for s, (start, n) in zip(specs, widened)])
+            results = await client.read([(s.chunk_id, start, n) for s, (start, n) in zip(specs, widened)],
+                                        read_grant=specs[0].grant)
         except KvfsError as err:
             return [err] * len(specs)
         errors: list[KvfsError | None] = []

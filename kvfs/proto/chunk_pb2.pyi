@@ -67,10 +67,12 @@ class ReadRange(_message.Message):
     def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReadChunksRequest(_message.Message):
-    __slots__ = ("ranges",)
+    __slots__ = ("ranges", "read_grant")
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    READ_GRANT_FIELD_NUMBER: _ClassVar[int]
     ranges: _containers.RepeatedCompositeFieldContainer[ReadRange]
-    def __init__(self, ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ...) -> None: ...
+    read_grant: bytes
+    def __init__(self, ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ..., read_grant: _Optional[bytes] = ...) -> None: ...
 
 class RangeResult(_message.Message):
     __slots__ = ("code", "message", "data", "chunk_length", "chunk_checksum", "index", "block_checksums")
