@@ -35,10 +35,12 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 
 from kvfs import wire
 from kvfs.buffers import PAGE, address_of
 from kvfs.errors import KvfsError
+from kvfs.grants import granted_namespace
 
 from .store import ChunkStore, PlannedRead, short_id
 
@@ -122,7 +124,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
                     else:
-                        self._read(header, wire.parse_ranges(header, body))
+                        self._read(header, *wire.parse_read(header, body))
                 except wire.WireError as err:
                     self.store.counters.rejected_requests += 1
                     log.warning("data port: malformed request from %s: %s; closing", peer, err.message)
@@ -163,12 +165,22 @@ class _Handler(socketserver.BaseRequestHandler):
 
     # ---- reads -------------------------------------------------------------
 
-    def _read(self, header: wire.Header, ranges: list[wire.Range]) -> None:
+    def _read(self, header: wire.Header, grant: bytes, ranges: list[wire.Range]) -> None:
         shm = header.kind == wire.READ_SHM
         if shm and any(r.mapping not in self.maps for r in ranges):
             raise wire.WireError("READ_SHM into a mapping not registered with SHM_REGISTER", code=9)
+        namespace = None
+        if self.server.cluster_key is not None:  # the data port knows no caller: every read needs its grant
+            namespace = granted_namespace(self.server.cluster_key, grant, time.time())
+            if namespace is None:
+                self.store.counters.rejected_requests += 1
+                log.warning("data port: read from %s without a valid read grant; refused", self.client_address)
+                self.sock.sendall(wire.encode_status(header.request_id, 7, "no valid read grant: a read carries the "
+                                                     "read_grant of the lookup that found the chunks, before it "
+                                                     "expires; look the prompt up again"))
+                return
         try:
-            results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges])
+            results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges], namespace)
         except KvfsError as err:
             self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
             return
@@ -292,8 +304,9 @@ class DataServer(socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], store: ChunkStore, request_timeout: float = 10.0,
-                 peer_connections: int = 64):
+                 peer_connections: int = 64, cluster_key: bytes | None = None):
         self.store = store
+        self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
         self.peer_connections = peer_connections
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="shm-read")
@@ -337,9 +350,9 @@ class DataServer(socketserver.ThreadingTCPServer):
 
 
 def start_data_server(listen: str, store: ChunkStore, request_timeout: float = 10.0,
-                      peer_connections: int = 64) -> DataServer:
+                      peer_connections: int = 64, cluster_key: bytes | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store, request_timeout, peer_connections)
+    server = DataServer((host, int(port)), store, request_timeout, peer_connections, cluster_key)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
     log.info("data port serving on %s (%s reads)", server.address,
              "sendfile" if store.io_mode == "buffered" else "io_uring")

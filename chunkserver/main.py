@@ -28,16 +28,17 @@ async def serve(cfg: ChunkserverConfig) -> None:
     if creds is not None and creds.identity.name != cfg.id:
         raise SystemExit(f"chunkserver {cfg.id}: its certificate names server {creds.identity.name!r}; the "
                          f"metaserver accepts it only as that id (issue one for {cfg.id!r} or pass --id)")
+    key = cluster_key(cfg, f"chunkserver {cfg.id}")
     store = ChunkStore(cfg)
     host = cfg.listen.rsplit(":", 1)[0]
     data = (start_data_server(cfg.data_listen or f"{host}:0", store, cfg.data_request_timeout,
-                              cfg.data_peer_connections) if cfg.data_listen != "off" else None)
+                              cfg.data_peer_connections, key) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     advertised = cfg.advertise or address
     # the data port is advertised on the same host as gRPC
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
-    servicer = ChunkServicer(store, data_address, creds, cluster_key(cfg, f"chunkserver {cfg.id}"))
+    servicer = ChunkServicer(store, data_address, creds, key)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

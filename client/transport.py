@@ -290,7 +290,7 @@ class _Connection:
                     offset += -(-s.length // 4096) * 4096
         else:
             ranges = [wire.Range(s.chunk_id, s.offset, s.length) for s in specs]
-        frame = wire.encode_read(rid, ranges, shm=region >= 0)
+        frame = wire.encode_read(rid, ranges, shm=region >= 0, grant=specs[0].grant)
         with self.lock:  # checked under the lock: _fail either sees this request or ran before it
             if self.dead is not None:
                 future.set_result([self.dead] * len(specs))

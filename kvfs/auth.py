@@ -53,14 +53,13 @@ RULES: dict[str, frozenset[str]] = {
     _HEALTH + "List": frozenset({SERVER, WORKER, ADMIN}),
 }
 
-# The chunkserver's data port (kvfs/wire.py) is not behind TLS or these rules yet:
-# its operations are listed so the table is whole. Next step: per-chunk grants the
-# metaserver mints, checked by the chunkserver on every frame.
+# The chunkserver's data port (kvfs/wire.py) is not behind TLS: it knows no caller,
+# so every read carries the read grant the metaserver minted with the lookup
+# (kvfs/grants.py), checked against each chunk's owner record.
 DATA_PORT_RULES: dict[int, tuple[str, str]] = {
-    wire.READ: ("READ", "anyone who reaches the port; next step: workers and servers, with a read grant "
-                        "per chunk"),
-    wire.READ_SHM: ("READ_SHM", "a local process that reaches the port; next step: workers, with a read "
-                                "grant per chunk"),
+    wire.READ: ("READ", "anyone who reaches the port and holds a read grant for the namespace each chunk's "
+                        "owner record names"),
+    wire.READ_SHM: ("READ_SHM", "as READ, from a local process; into buffers it registered"),
     wire.SHM_REGISTER: ("SHM_REGISTER", "a local process that reaches the port; next step: the buffer passed "
                                         "by file descriptor, never by name"),
 }

@@ -5,9 +5,11 @@ Every frame starts with a 24-byte header, little-endian:
     magic "KVFS" | version u8 | kind u8 | flags u16 | request id u64 | count u32 | body length u32
 
 Requests (client -> server):
-  READ          count ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
-  READ_SHM      count ranges: as READ (length > 0), then mapping u8, n u16 and n pieces
-                (offset u64 in the mapping, length u32) that the range's bytes fill in order
+  READ          grant_len u8, grant (the read grant of the lookup that found the
+                chunks, kvfs/grants.py; empty for an --insecure server), then count
+                ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
+  READ_SHM      as READ, each range (length > 0) followed by mapping u8, n u16 and n
+                pieces (offset u64 in the mapping, length u32) that its bytes fill in order
   SHM_REGISTER  path_len u16, path, size u64: map this /dev/shm file as mapping `flags`
                 (0: the connection's staging buffer, 1: the client's buffer arena)
 Replies (server -> client), same request id:
@@ -41,7 +43,7 @@ import xxhash
 from kvfs.checksum import BLOCK, blocks_covering
 
 MAGIC = b"KVFS"
-VERSION = 2  # 2: replies carry every block checksum of the chunk
+VERSION = 3  # 2: replies carry every block checksum of the chunk; 3: reads carry a read grant
 HEADER = struct.Struct("<4sBBHQII")
 
 READ, READ_SHM, SHM_REGISTER = 1, 2, 3
@@ -49,6 +51,7 @@ READ_REPLY, STATUS = 0x81, 0x83
 REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER)
 
 MAX_ID = 64
+MAX_GRANT = 64
 MAX_RANGES = 4096
 MAX_PIECES = 1024  # per READ_SHM range
 MAX_MAPPINGS = 2
@@ -129,8 +132,8 @@ def parse_header(raw: bytes | memoryview, requests: bool = True) -> Header:
     return Header(kind, flags, request_id, count, body_len)
 
 
-def encode_read(request_id: int, ranges: list[Range], shm: bool = False) -> bytes:
-    parts = []
+def encode_read(request_id: int, ranges: list[Range], shm: bool = False, grant: bytes = b"") -> bytes:
+    parts = [bytes([len(grant)]), grant]
     for r in ranges:
         parts += [bytes([len(r.chunk_id)]), r.chunk_id]
         if shm:
@@ -144,10 +147,18 @@ def encode_read(request_id: int, ranges: list[Range], shm: bool = False) -> byte
 
 def parse_ranges(header: Header, body: bytes | memoryview) -> list[Range]:
     """The ranges of a READ or READ_SHM body; WireError if it is malformed."""
+    return parse_read(header, body)[1]
+
+
+def parse_read(header: Header, body: bytes | memoryview) -> tuple[bytes, list[Range]]:
+    """The read grant and the ranges of a READ or READ_SHM body; WireError if it is malformed."""
     if len(body) != header.body_len:
         raise WireError(f"truncated body: {len(body)} of {header.body_len} bytes")
+    if not body or body[0] > MAX_GRANT or 1 + body[0] > len(body):
+        raise WireError(f"the body must start with a read grant of at most {MAX_GRANT} bytes")
+    grant = bytes(body[1 : 1 + body[0]])
     fixed = _SHM_RANGE if header.kind == READ_SHM else _RANGE
-    out, pos = [], 0
+    out, pos = [], 1 + len(grant)
     for i in range(header.count):
         if pos >= len(body):
             raise WireError(f"body ends before range {i} of {header.count}")
@@ -175,7 +186,7 @@ def parse_ranges(header: Header, body: bytes | memoryview) -> list[Range]:
         pos = end
     if pos != len(body):
         raise WireError(f"{len(body) - pos} stray bytes after {header.count} ranges")
-    return out
+    return grant, out
 
 
 def encode_shm_register(request_id: int, path: str, size: int, mapping: int = 0) -> bytes:

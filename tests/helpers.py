@@ -154,3 +154,13 @@ def assert_metadata_consistent(state):
     assert len(state.blocks) == len(stored)
     assert state.cache_bytes == sum(r.footprint for r in stored.values())
     assert all(r.depth == (stored[parent[f]].depth + 1 if f in parent else 0) for f, r in stored.items())
+
+
+def local_read_grant(namespace_digest: bytes, ttl: float = 600) -> bytes:
+    """A read grant for a namespace, minted with the tests' local CA's cluster key as
+    the metaserver would mint it: for raw data-port reads from servers without one."""
+    from kvfs.grants import read_grant
+    from kvfs.tls import LocalCA, load_cluster_key
+
+    key = load_cluster_key(LocalCA(os.environ["KVFS_LOCAL_CA"]).key_path)
+    return read_grant(key, namespace_digest, time.time() + ttl)

@@ -13,8 +13,9 @@ from kvfs.client.transport import ServerInfo, is_local
 from kvfs.errors import DataLoss
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
+from kvfs.proto import meta_pb2
 
-from helpers import flip_bytes, restore_all, tokens_for, wait_until
+from helpers import flip_bytes, local_read_grant, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -96,17 +97,22 @@ def recv(sock, n):
     return buf
 
 
+RAW_NS = os.urandom(16)  # the namespace the raw tests' chunks name in their owner records
+RAW_OWNER = meta_pb2.ChunkOwner(namespace_digest=RAW_NS).SerializeToString()
+
+
 async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkservers):
     server = chunkservers()
+    grant = local_read_grant(RAW_NS)
     async with ChunkClient(server.address) as c:
-        await c.write(b"known", os.urandom(3 * MiB))
+        await c.write(b"known", os.urandom(3 * MiB), owner=RAW_OWNER)
         data_address = (await c.stat()).data_address
     assert data_address
     cases = [
         (b"GET / HTTP/1.1\r\n\r\n" + bytes(10), 3, "magic"),
         (wire.encode_header(wire.READ, 5, wire.MAX_RANGES + 1, 0), 3, "ranges"),
         (wire.encode_header(wire.READ, 6, 2, 9) + b"\x00" * 9, 3, "chunk id length"),
-        (wire.encode_read(7, [wire.Range(b"known", 0, 10, 0, ((0, 10),))], shm=True), 9, "SHM_REGISTER"),
+        (wire.encode_read(7, [wire.Range(b"known", 0, 10, 0, ((0, 10),))], shm=True, grant=grant), 9, "SHM_REGISTER"),
         (wire.encode_shm_register(8, "/etc/passwd", 100), 3, "/dev/shm"),
     ]
     for frame, code, text in cases:
@@ -118,12 +124,12 @@ async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkserve
         sock.close()
     # per-range errors keep the connection: unknown chunk, out of range; then a good read
     header, body, sock = raw_request(data_address, wire.encode_read(9, [
-        wire.Range(b"unknown", 0, 0), wire.Range(b"known", 3 * MiB, 5), wire.Range(b"known", 10, 20)]))
+        wire.Range(b"unknown", 0, 0), wire.Range(b"known", 3 * MiB, 5), wire.Range(b"known", 10, 20)], grant=grant))
     results = wire.parse_read_reply(header, body)
     assert [r.code for r in results] == [5, 11, 0]
     assert len(recv(sock, results[2].data_len)) == 65536  # widened to its checksum block
     # a read over the server's limit is refused as a whole, on a connection that stays open
-    sock.sendall(wire.encode_read(10, [wire.Range(b"known", 0, 0)] * 200))
+    sock.sendall(wire.encode_read(10, [wire.Range(b"known", 0, 0)] * 200, grant=grant))
     header = wire.parse_header(recv(sock, 24), requests=False)
     code, message = wire.parse_status(header, recv(sock, header.body_len))
     assert code == 3 and "at most" in message
@@ -140,16 +146,17 @@ def open_fds(pid: int) -> int:
 async def test_clients_vanishing_mid_transfer_leave_the_server_serving(chunkservers):
     server = chunkservers(extra=["--io-mode", "buffered"])
     chunks = {b"c%d" % i: os.urandom(4 * MiB) for i in range(8)}
+    grant = local_read_grant(RAW_NS)
     async with ChunkClient(server.address) as c:
         for cid, data in chunks.items():
-            await c.write(cid, data)
+            await c.write(cid, data, owner=RAW_OWNER)
         data_address = (await c.stat()).data_address
     baseline = open_fds(server.pid)
     host, port = data_address.rsplit(":", 1)
     for _ in range(20):  # ask for 32 MiB, read a little, vanish
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
-        sock.sendall(wire.encode_read(1, [wire.Range(cid, 0, 0) for cid in chunks]))
+        sock.sendall(wire.encode_read(1, [wire.Range(cid, 0, 0) for cid in chunks], grant=grant))
         sock.recv(1000)
         sock.close()
     wait_until(lambda: open_fds(server.pid) <= baseline, 20, "the server to drop vanished connections")
@@ -158,7 +165,7 @@ async def test_clients_vanishing_mid_transfer_leave_the_server_serving(chunkserv
         from kvfs.client.transport import ReadSpec
 
         out = bytearray(4 * MiB)
-        spec = ReadSpec(b"c3", 0, 4 * MiB, 4 * MiB, chunk_checksum(chunks[b"c3"]), [(0, 0, 4 * MiB)])
+        spec = ReadSpec(b"c3", 0, 4 * MiB, 4 * MiB, chunk_checksum(chunks[b"c3"]), [(0, 0, 4 * MiB)], grant=grant)
         errors = await client._transports["tcp"].read(info, [spec], memoryview(out))
         assert errors == [None] and bytes(out) == chunks[b"c3"]
 

@@ -1,20 +1,24 @@
-"""Read grants: a chunkserver serves a worker's gRPC read of a chunk only with the
-read grant of a lookup in the chunk's namespace (kvfs/grants.py). From raw
-chunkserver stubs, against a real secure cluster: tenant B's worker, knowing the
-id of one of A's chunks, reads nothing of it, with no grant, its own grant, or
-a grant edited to name A's namespace; B's own chunks, and A's with A's grant,
-are served beside it."""
+"""Read grants: a chunkserver serves a worker's read of a chunk, over gRPC or its
+data port, only with the read grant of a lookup in the chunk's namespace
+(kvfs/grants.py). From raw chunkserver stubs and raw data-port frames, against a
+real secure cluster: tenant B's worker, knowing the id of one of A's chunks,
+reads nothing of it, with no grant, its own grant, or a grant edited to name A's
+namespace; B's own chunks, and A's with A's grant, are served beside it."""
 
 from __future__ import annotations
+
+import socket
 
 import grpc
 import pytest
 
+from kvfs import wire
 from kvfs.client import ChunkClient, Client
 from kvfs.errors import PermissionDenied
 from kvfs.keys import Namespace
 
-from test_attacks import NS_A, write_and_restore
+from helpers import restore_all
+from test_attacks import LAYOUT, NS_A, write_and_restore
 
 NS_B = Namespace("tenant-b", "m")
 
@@ -48,3 +52,39 @@ async def test_a_worker_reads_a_chunk_only_with_a_grant_for_its_namespace(cluste
         assert ok.code == 0 and len(ok.data) == victim.length
     # the SDK's restores carry their grants
     await write_and_restore(cluster, who.worker_a, NS_A, seed=73)
+
+
+def data_port_read(address: str, chunk_ids: list[bytes], grant: bytes) -> tuple[wire.Header, bytes]:
+    """One raw READ frame on a data port (which knows no caller); the reply's header and body."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(wire.encode_read(1, [wire.Range(c, 0, 0) for c in chunk_ids], grant=grant))
+        header = wire.parse_header(sock.recv(wire.HEADER.size, socket.MSG_WAITALL), requests=False)
+        return header, sock.recv(header.body_len, socket.MSG_WAITALL)
+
+
+async def test_the_data_port_serves_a_chunk_only_with_a_grant_for_its_namespace(cluster, who):
+    tokens_a, payload_a = await write_and_restore(cluster, who.worker_a, NS_A, seed=74)
+    tokens_b, _ = await write_and_restore(cluster, who.worker_b, NS_B, seed=75)
+    match_a = await lookup(cluster, who.worker_a, NS_A, tokens_a)
+    match_b = await lookup(cluster, who.worker_b, NS_B, tokens_b)
+    victim = match_a.blocks[0].chunks[0]
+    mine = next(c for b in match_b.blocks for c in b.chunks if set(c.replicas) & set(victim.replicas))
+    data_address = match_a.servers[sorted(set(victim.replicas) & set(mine.replicas))[0]].data_address
+    for grant in (b"", match_a.read_grant[:16] + match_b.read_grant[16:], b"x" * 40):
+        header, body = data_port_read(data_address, [victim.chunk_id], grant)
+        assert header.kind == wire.STATUS
+        code, message = wire.parse_status(header, body)
+        assert code == grpc.StatusCode.PERMISSION_DENIED.value[0] and "no valid read grant" in message
+    header, body = data_port_read(data_address, [victim.chunk_id, mine.chunk_id], match_b.read_grant)
+    results = wire.parse_read_reply(header, body)
+    assert results[0].code == grpc.StatusCode.PERMISSION_DENIED.value[0] and results[0].data_len == 0
+    assert results[1].code == 0 and results[1].data_len == mine.length
+    header, body = data_port_read(data_address, [victim.chunk_id], match_a.read_grant)
+    (ok,) = wire.parse_read_reply(header, body)
+    assert ok.code == 0 and ok.data_len == victim.length
+    # the SDK's restores over the data port carry their grants
+    for transport in ("tcp", "shm"):
+        async with Client(cluster.meta_address, credentials=who.worker_a, transport=transport) as client:
+            out, _, _ = await restore_all(client, await client.lookup(NS_A, tokens_a), LAYOUT)
+            assert bytes(out) == payload_a

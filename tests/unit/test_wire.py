@@ -31,10 +31,19 @@ def test_read_requests_round_trip(rs, rid):
     assert wire.parse_ranges(header, body) == rs
 
 
-@given(shm_ranges)
-def test_shm_read_requests_round_trip(rs):
-    header, body = split(wire.encode_read(3, rs, shm=True))
-    assert header.kind == wire.READ_SHM and wire.parse_ranges(header, body) == rs
+@given(shm_ranges, st.binary(max_size=wire.MAX_GRANT))
+def test_shm_read_requests_round_trip_with_their_grant(rs, grant):
+    header, body = split(wire.encode_read(3, rs, shm=True, grant=grant))
+    assert header.kind == wire.READ_SHM and wire.parse_read(header, body) == (grant, rs)
+
+
+def test_a_read_grant_longer_than_the_bound_or_past_the_body_is_malformed():
+    rs = [wire.Range(b"c", 0, 10)]
+    header, body = split(wire.encode_read(1, rs, grant=b"g" * (wire.MAX_GRANT + 1)))
+    with pytest.raises(wire.WireError, match="read grant of at most"):
+        wire.parse_read(header, body)
+    with pytest.raises(wire.WireError, match="read grant of at most"):
+        wire.parse_read(wire.Header(wire.READ, 0, 1, 0, 3), b"\x09ab")
 
 
 def test_shm_pieces_must_add_up_to_the_range():
