@@ -335,6 +335,22 @@ def test_interleaved_commits_of_the_same_keys_still_let_the_first_writer_win(mak
 
 
 
+def commit_request(alloc, blocks=None) -> meta_pb2.CommitBlocksRequest:
+    """A CommitBlocks of `blocks` (default: every block) of an allocation."""
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    for b in alloc.blocks if blocks is None else blocks:
+        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    return req
+
+
+def until_a_piece_is_written(state, steps) -> int:
+    """Steps a commit until its first piece is written; the blocks it committed."""
+    before = state.blocks.blocks
+    while state.blocks.blocks == before:
+        next(steps)
+    return state.blocks.blocks - before
+
+
 def test_a_large_commit_is_written_in_pieces_and_an_allocation_expiring_between_them_frees_only_the_rest(make_state):
     """Each piece of a commit is written with the allocation's count of settled
     keys: blocks committed so far stay whole and readable, and expiry deletes the
@@ -343,13 +359,9 @@ def test_a_large_commit_is_written_in_pieces_and_an_allocation_expiring_between_
     state = make_state(clock)
     keys = block_keys(NS, range(4 * 200), 4)  # 200 blocks: pieces of 64
     alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
-    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
-    for b in alloc.blocks:
-        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    req = commit_request(alloc)
     steps = state.allocations.commit_steps(NS.digest, req)
-    while state.blocks.blocks == 0:
-        next(steps)
-    first = state.blocks.blocks
+    first = until_a_piece_is_written(state, steps)
     assert 0 < first < 200 and state.match(NS.digest, keys).matched == first
     clock.now += 61  # past allocation_timeout, between two pieces
     expired, garbage = state.expire_allocations()
@@ -370,13 +382,9 @@ def test_a_commit_cut_short_between_pieces_is_finished_by_its_retry_and_none_run
     state = make_state()
     keys = block_keys(NS, range(4 * 200), 4)
     alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
-    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
-    for b in alloc.blocks[:150]:  # the last 50 blocks are abandoned
-        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    req = commit_request(alloc, alloc.blocks[:150])  # the last 50 blocks are abandoned
     steps = state.allocations.commit_steps(NS.digest, req)
-    while state.blocks.blocks == 0:
-        next(steps)
-    first = state.blocks.blocks
+    first = until_a_piece_is_written(state, steps)
     with pytest.raises(Aborted):  # a retry while the first call still runs
         next(state.allocations.commit_steps(NS.digest, req))
     steps.close()  # the call is cancelled between two pieces
@@ -397,10 +405,7 @@ def test_the_garbage_of_each_piece_is_queued_for_deletion_even_if_the_commit_is_
     keys = block_keys(NS, range(4 * 200), 4)
     alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
     write(state, keys[:64])  # another writer's commit of the first 64 blocks lands first
-    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
-    for b in alloc.blocks:
-        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
-    steps = state.allocations.commit_steps(NS.digest, req, state.queue_deletes)
+    steps = state.allocations.commit_steps(NS.digest, commit_request(alloc), state.queue_deletes)
     while state.allocations.open[alloc.allocation_id].record.settled == 0:
         next(steps)
     steps.close()  # cut short after its first piece: 64 blocks that lost the race
@@ -414,13 +419,9 @@ def test_a_block_whose_parent_goes_between_two_pieces_of_its_commit_is_garbage(m
     state = make_state(clock)
     keys = block_keys(NS, range(4 * 130), 4)
     alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
-    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
-    for b in alloc.blocks:
-        req.blocks.add(key=b.key, chunk_checksums=[1] * len(b.chunks))
+    req = commit_request(alloc)
     steps = state.allocations.commit_steps(NS.digest, req)
-    while state.blocks.blocks == 0:
-        next(steps)
-    first = state.blocks.blocks
+    first = until_a_piece_is_written(state, steps)
     state.drop_lost_blocks([NS.digest + keys[first - 1]])  # the next piece's first parent, lost meanwhile
     with pytest.raises(StopIteration) as done:
         while True:
