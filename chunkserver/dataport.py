@@ -73,11 +73,19 @@ def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """n bytes; with `deadline` (time.monotonic()), BlockingIOError once it passes
+    first, however the bytes trickle in (the socket's receive timeout is set to
+    what is left before each receive)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BlockingIOError("request deadline passed")
+            _set_recv_timeout(sock, max(left, 0.001))
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise _Closed()
@@ -110,11 +118,11 @@ class _Handler(socketserver.BaseRequestHandler):
                     return  # the client closed, or stayed idle past IDLE_TIMEOUT
                 request_id = 0
                 try:
-                    _set_recv_timeout(self.sock, self.server.request_timeout)  # the rest of it, promptly
+                    deadline = time.monotonic() + self.server.request_timeout  # the rest of it, promptly
                     try:
-                        header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1))
+                        header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1, deadline))
                         request_id = header.request_id
-                        body = _recv_exact(self.sock, header.body_len)
+                        body = _recv_exact(self.sock, header.body_len, deadline)
                     except BlockingIOError:
                         log.warning("data port: %s sent part of a request and nothing more for %.0f s; closing",
                                     peer, self.server.request_timeout)

@@ -1,12 +1,14 @@
 """The data port's time and slot limits against raw sockets (issue "Abuse
 resistance": 300 half-sent headers held every data-port slot for the 600 s idle
 timeout). A request must arrive whole within `data_request_timeout` of its first
-byte, and one client host holds at most `data_peer_connections` slots. The
+byte, however slowly it trickles in, and one client host holds at most
+`data_peer_connections` slots. The
 attacker connects from 127.0.0.2, another host to the server; the legitimate
 client, from 127.0.0.1, restores throughout."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -65,7 +67,19 @@ async def test_half_sent_requests_hold_slots_for_seconds_and_one_host_never_hold
         again.settimeout(10)
         reply = wire.parse_header(again.recv(wire.HEADER.size, socket.MSG_WAITALL), requests=False)
         assert reply.request_id == 7
-        for s in (*held, extra, again):
+        # a request trickled in a byte at a time never outlasts the deadline either
+        drip, sent = connect_from("127.0.0.3", data_address), 0
+        frame = wire.encode_read(8, [wire.Range(b"no-such-chunk", 0, 1)])
+        while sent < len(frame) and not closed_by_server(drip):
+            drip.setblocking(True)
+            try:
+                drip.sendall(frame[sent : sent + 1])
+            except OSError:
+                break
+            sent += 1
+            await asyncio.sleep(0.5)  # the attacker's pace: 24 header bytes would take 12 s
+        assert sent < wire.HEADER.size  # cut off after the 2 s request deadline, in the middle of the header
+        for s in (*held, extra, again, drip):
             s.close()
         out, _, _ = await restore_all(client, await client.lookup(NS, tokens), LAYOUT)
         assert bytes(out) == payload
