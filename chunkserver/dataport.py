@@ -39,8 +39,8 @@ import time
 
 from kvfs import wire
 from kvfs.buffers import PAGE, address_of
-from kvfs.errors import KvfsError
-from kvfs.grants import granted_namespace
+from kvfs.errors import KvfsError, PermissionDenied
+from kvfs.grants import require_read_grant
 
 from .store import ChunkStore, PlannedRead, short_id
 
@@ -177,19 +177,14 @@ class _Handler(socketserver.BaseRequestHandler):
         shm = header.kind == wire.READ_SHM
         if shm and any(r.mapping not in self.maps for r in ranges):
             raise wire.WireError("READ_SHM into a mapping not registered with SHM_REGISTER", code=9)
-        namespace = None
-        if self.server.cluster_key is not None:  # the data port knows no caller: every read needs its grant
-            namespace = granted_namespace(self.server.cluster_key, grant, time.time())
-            if namespace is None:
-                self.store.counters.rejected_requests += 1
-                log.warning("data port: read from %s without a valid read grant; refused", self.client_address)
-                self.sock.sendall(wire.encode_status(header.request_id, 7, "no valid read grant: a read carries the "
-                                                     "read_grant of the lookup that found the chunks, before it "
-                                                     "expires; look the prompt up again"))
-                return
+        key = self.server.cluster_key  # the data port knows no caller: with a key, every read needs its grant
         try:
+            namespace = require_read_grant(key, grant, time.time()) if key is not None else None
             results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges], namespace)
         except KvfsError as err:
+            if isinstance(err, PermissionDenied):
+                self.store.counters.rejected_requests += 1
+                log.warning("data port: read from %s without a valid read grant; refused", self.client_address)
             self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
             return
         try:
@@ -345,11 +340,6 @@ class DataServer(socketserver.ThreadingTCPServer):
                 if not self._per_peer[host]:
                     del self._per_peer[host]
         super().shutdown_request(request)
-
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._open)
 
     @property
     def address(self) -> str:

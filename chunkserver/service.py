@@ -9,7 +9,7 @@ import grpc
 from kvfs import tls
 from kvfs.auth import caller_of
 from kvfs.errors import DataLoss, InvalidArgument, KvfsError, PermissionDenied, from_code, from_rpc_error
-from kvfs.grants import granted_namespace, owner_sealed, parse_owner
+from kvfs.grants import owner_sealed, parse_owner, require_read_grant
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
@@ -70,29 +70,23 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                    if self.cluster_key else b"")
         return chunk_pb2.WriteChunkReply(created=created, receipt=receipt)
 
-    def _granted(self, grant: bytes, context) -> bytes | None:
-        """The namespace a worker's read grant lets it read (None: no check, for an
-        --insecure server, or a caller that is also an admin or a server)."""
+    def _asks_grants(self, context) -> bool:
+        """Whether the caller must show grants: a worker, when the server holds the
+        cluster key. A caller that is also an admin or a server is not asked: it may
+        list and delete any chunk already."""
         if self.cluster_key is None:
-            return None
+            return False
         caller = caller_of(context)
-        if caller is not None and caller.roles & {tls.ADMIN, tls.SERVER}:
-            return None
-        namespace = granted_namespace(self.cluster_key, grant, time.time())
-        if namespace is None:
-            raise PermissionDenied("no valid read grant: a worker reads chunks with the read_grant of the lookup "
-                                   "that found them, before it expires (read_grant_ttl); look the prompt up again")
-        return namespace
+        return caller is None or not caller.roles & {tls.ADMIN, tls.SERVER}
+
+    def _granted(self, grant: bytes, context) -> bytes | None:
+        """The namespace a worker's read grant lets it read (None: no check)."""
+        return require_read_grant(self.cluster_key, grant, time.time()) if self._asks_grants(context) else None
 
     def _check_grant(self, header: chunk_pb2.ChunkHeader, context) -> None:
         """A worker writes a chunk only under the owner record the metaserver sealed
-        for its id at allocation (kvfs.grants), checked before any of its bytes are
-        read. A caller that is also an admin or a server is not asked for one: it
-        may list and delete any chunk already."""
-        if self.cluster_key is None:
-            return
-        caller = caller_of(context)
-        if caller is not None and caller.roles & {tls.ADMIN, tls.SERVER}:
+        for its id at allocation (kvfs.grants), checked before any of its bytes are read."""
+        if not self._asks_grants(context):
             return
         owner = parse_owner(header.owner)
         if owner is None or not owner_sealed(self.cluster_key, owner, header.chunk_id):

@@ -22,6 +22,7 @@ import struct
 from google.protobuf.message import DecodeError
 
 from kvfs import tls
+from kvfs.errors import PermissionDenied
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
@@ -79,6 +80,15 @@ def granted_namespace(key: bytes, grant: bytes, now: float) -> bytes | None:
     if not hmac.compare_digest(mac, tls.seal(key, tls.READ, namespace_digest, expires)):
         return None
     return namespace_digest if now <= struct.unpack(">Q", expires)[0] else None
+
+
+def require_read_grant(key: bytes, grant: bytes, now: float) -> bytes:
+    """granted_namespace(), or PERMISSION_DENIED saying what a reader must send."""
+    namespace = granted_namespace(key, grant, now)
+    if namespace is None:
+        raise PermissionDenied("no valid read grant: a read carries the read_grant of the lookup that found its "
+                               "chunks, before it expires (read_grant_ttl); look the prompt up again")
+    return namespace
 
 
 def owner_namespace(raw: bytes) -> bytes:

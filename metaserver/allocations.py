@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from rocksdict import WriteBatch
 
 from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from kvfs.keys import KEY_BYTES
 from kvfs.grants import owner_seal
+from kvfs.keys import KEY_BYTES
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
 
@@ -41,8 +41,9 @@ class Allocation:
 
     @classmethod
     def of(cls, record: meta_pb2.AllocationRecord) -> Allocation:
-        return cls(record, {c.chunk_id for c in record.chunks}, footprint(record.chunks[record.settled * cls.per_block(
-            record):]))
+        alloc = cls(record, {c.chunk_id for c in record.chunks})
+        alloc.footprint = footprint(alloc.unsettled_chunks())
+        return alloc
 
     @staticmethod
     def per_block(record: meta_pb2.AllocationRecord) -> int:
@@ -50,7 +51,7 @@ class Allocation:
 
     def unsettled_chunks(self) -> list[meta_pb2.StoredChunk]:
         """The chunks of the blocks no commit has settled: garbage if it expires."""
-        return list(self.record.chunks[self.record.settled * self.per_block(self.record):])
+        return list(self.record.chunks[self.record.settled * self.per_block(self.record) :])
 
 
 def check_keys(keys, what: str, max_keys: int) -> list[bytes]:

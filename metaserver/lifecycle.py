@@ -23,10 +23,10 @@ import time
 import grpc
 
 from kvfs import tls
+from kvfs.grants import parse_owner
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
-from kvfs.grants import parse_owner
 from .state import MetaState
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ import random
 
 import grpc
 
+from kvfs.grants import owner_seal, parse_owner
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import chunk_pb2, meta_pb2
 
 from .lifecycle import RPC_TIMEOUT, SLICE, Lifecycle
-from kvfs.grants import owner_seal, parse_owner
 from .state import MetaState, Repair
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ import grpc
 
 from kvfs.auth import check_server_id, check_tenant
 from kvfs.errors import InvalidArgument
+from kvfs.grants import parse_owner
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import handles_errors
 from kvfs.serving import STALL_BOUNDS, LoopStats
 
 from .lifecycle import Lifecycle
-from kvfs.grants import parse_owner
 from .state import MetaState
 
 # After an eviction, how long a writer's call waits for the deletes to reach the

@@ -23,6 +23,7 @@ from rocksdict import WriteBatch
 
 from kvfs.config import MiB
 from kvfs.errors import InvalidArgument
+from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.proto import meta_pb2
 
 from .allocations import Allocations, check_keys
@@ -31,7 +32,6 @@ from .config import MetaserverConfig
 from . import records
 from .db import MetaDB
 from .membership import Membership, ServerState
-from kvfs.grants import owner_sealed, parse_owner, read_grant
 
 log = logging.getLogger(__name__)
 
