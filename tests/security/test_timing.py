@@ -31,7 +31,7 @@ from helpers import layer_major, tokens_for
 A, B = Namespace("tenant-a", "m"), Namespace("tenant-b", "m")
 SMALL = BlockLayout(layers=6, block_tokens=64, kv_dim=64, dtype="bfloat16")
 PROMPTS = 8
-BLOCKS = 64  # per prompt: a hit's reply is large enough for the control to see
+BLOCKS = 256  # per prompt: a hit's reply is large enough for the control to see
 PROBES = 300  # per kind
 
 
