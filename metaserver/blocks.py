@@ -20,7 +20,7 @@ import itertools
 import logging
 import math
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -179,7 +179,10 @@ class BlockTable:
         # Each scan starts from its floor instead: no entry sorts below it, as every
         # new entry lowers it (leaf(), expires()).
         self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
-        self.hits: dict[bytes, tuple[int, float]] = {}  # full key -> (hits, last) since the last flush
+        # Hits since the last flush: full key -> last hit, and full key -> how many. Two
+        # maps filled in bulk (C loops) rather than one of tuples updated block by block.
+        self.hits: dict[bytes, float] = {}
+        self.hit_counts: Counter[bytes] = Counter()
         self._hits_dropped = 0
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
@@ -210,8 +213,7 @@ class BlockTable:
 
     def last_use(self, full: bytes, stored: float) -> float:
         """A block's last use: the one its row holds, or a hit recorded since (not flushed yet)."""
-        pending = self.hits.get(full)
-        return pending[1] if pending is not None and pending[1] > stored else stored
+        return max(stored, self.hits.get(full, stored))
 
     def live_rows(self, fulls: list[bytes], stored: list[bytes | None] | None = None) -> list[bytes | None]:
         """rows(), with None also for blocks past their TTL that expiry has not removed yet."""
@@ -266,10 +268,8 @@ class BlockTable:
         opts = ReadOptions()
         opts.set_iterate_upper_bound(row_bound(namespace_digest))  # this namespace's rows only
         rows = db.iter(opts)  # not positioned yet: the first key is looked up like a branch
-        hits = self.hits
-        recording = len(hits) < MAX_PENDING_HITS
-        all_live: set[bytes] = set()  # rows' server numbers (as stored) seen with every server live
         unpack = LOOKUP.unpack_from
+        all_live: set[bytes] = set()  # rows' server numbers (as stored) seen with every server live
         for key in keys:
             raw = rows.value() if rows.valid() else None
             if raw is None or raw[:KEY_BYTES] != key:  # not in the next slot: look up where it is
@@ -282,12 +282,8 @@ class BlockTable:
                     log.error("block %s points at slot %d, which holds no row of it", key.hex(), read_u64(slot))
                     break
             n, ttl, last_used = unpack(raw, KEY_BYTES)
-            full = namespace_digest + key
-            pending = hits.get(full)  # last_use(), inlined: this loop runs per block of every lookup
-            if pending is not None and pending[1] > last_used:
-                last_used = pending[1]
-            if now > last_used + ttl:
-                break
+            if now > last_used + ttl and now > self.last_use(namespace_digest + key, last_used) + ttl:
+                break  # past its TTL, even counting from a hit not flushed yet
             end = SERVERS + 2 * n  # the server numbers, then the ttl class name, then the location
             numbers = raw[SERVERS:end]
             if numbers in all_live:
@@ -304,16 +300,25 @@ class BlockTable:
                         break
                     parts.append(framed)
                     referenced.update(live.intersection(servers))
-            if recording:
-                hits[full] = (pending[0] + 1 if pending else 1, now)
             rows.next()
         del rows
-        if not recording:
+        self._record_hits(namespace_digest, keys[: len(parts)], now)
+        return self._reply(parts, referenced)
+
+    def _record_hits(self, namespace_digest: bytes, matched: list[bytes], now: float) -> None:
+        """Remembers a lookup's hits until flush_hits writes them: in bulk, off the
+        per-block loop (a third of a 2,000-block match when done block by block)."""
+        if not matched:
+            return
+        if len(self.hits) >= MAX_PENDING_HITS:
             self._hits_dropped += 1
             if self._hits_dropped in (1, 1000, 1000_000):
                 log.warning("%d lookups' hits not recorded: %d blocks wait to be flushed", self._hits_dropped,
-                            len(hits))
-        return self._reply(parts, referenced)
+                            len(self.hits))
+            return
+        fulls = list(map(namespace_digest.__add__, matched))
+        self.hits.update(zip(fulls, itertools.repeat(now)))
+        self.hit_counts.update(fulls)
 
     def _reply(self, parts: list[bytes], referenced: set[int]) -> bytes:
         return b"".join(parts) + self.members.server_table(referenced) + reply_tail(len(parts))
@@ -324,7 +329,7 @@ class BlockTable:
         if not self.hits:
             return 0
         taken = list(itertools.islice(self.hits, limit))
-        pending = [self.hits.pop(f) for f in taken]
+        pending = [(self.hit_counts.pop(f, 0), self.hits.pop(f)) for f in taken]
         batch = WriteBatch(raw_mode=True)
         raws = self.rows(taken)
         rows = [Row.decode(r) if r is not None else None for r in raws]

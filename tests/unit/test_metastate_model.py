@@ -111,7 +111,7 @@ def cached_run(state, clock, keys) -> int:
     for k in keys:
         full = NS.digest + k
         row = state.blocks.row(full)
-        if row is None or clock.now > max(row.last_used, state.blocks.hits.get(full, (0, 0.0))[1]) + row.ttl:
+        if row is None or clock.now > max(row.last_used, state.blocks.hits.get(full, 0.0)) + row.ttl:
             break
         n += 1
     return n
