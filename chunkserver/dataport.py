@@ -15,10 +15,15 @@ never all of them.
                  with sendfile(2): the bytes never enter this process;
   direct mode:   every range of a request read together through io_uring into
                  pooled aligned buffers, then sent from them;
-  shm:           a client on the same host registers a /dev/shm file; READ_SHM
-                 ranges are read from disk straight into it (preadv, since the
-                 io_uring binding reads only into bytearrays) and the socket
-                 carries only requests and completions.
+  shm:           a client on the same host connects to the port's local socket (an
+                 abstract Unix socket, wire.local_socket_name) and passes the
+                 descriptors of its sealed memory files (SCM_RIGHTS): the server
+                 maps only what the client could open itself, and only files that
+                 can never shrink under the mapping. READ_SHM ranges are read from
+                 disk straight into them (preadv, since the io_uring binding reads
+                 only into bytearrays) and the socket carries only requests and
+                 completions. Local connections count against a per-user limit
+                 (SO_PEERCRED) as remote ones count per host.
 
 The server sends each range widened to whole 64 KiB blocks with their stored
 checksums, and the client verifies them before handing anything over: the
@@ -27,12 +32,15 @@ server never touches the bytes it sends from the page cache.
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
+import fcntl
 import logging
 import mmap
 import os
 import socket
 import socketserver
+import stat
 import struct
 import threading
 import time
@@ -46,9 +54,8 @@ from .store import ChunkStore, PlannedRead, short_id
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "kvfs-"
 MAX_SHM = 4 << 30
+FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor per receive; the kernel closes extras
 MAX_CONNECTIONS = 256
 SEND_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
@@ -56,6 +63,26 @@ IDLE_TIMEOUT = 600.0
 
 class _Closed(Exception):
     pass
+
+
+def _unsafe_to_map(fd: int, size: int) -> str | None:
+    """Why a client's memory file must not be mapped (None: it may). The server
+    writes into the mapping and verifies the bytes there: a file that could
+    shrink would make those accesses fault (SIGBUS) and kill the server."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular memory file"
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return "a file that cannot be sealed; pass a memfd made with MFD_ALLOW_SEALING"
+    if not seals & fcntl.F_SEAL_SHRINK:
+        return "not sealed against shrinking (F_SEAL_SHRINK): it could be truncated under the mapping"
+    if os.fstatvfs(fd).f_bsize != mmap.PAGESIZE:
+        return "not in ordinary pages (hugetlbfs can fault when its pool runs dry)"
+    if not 0 < size <= min(st.st_size, MAX_SHM):
+        return f"{size} bytes asked for, of a {st.st_size}-byte file (at most {MAX_SHM})"
+    return None
 
 
 def _aligned(address: int, length: int) -> bool:
@@ -73,10 +100,11 @@ def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, fds: list[int] | None = None) -> bytes:
     """n bytes; with `deadline` (time.monotonic()), BlockingIOError once it passes
     first, however the bytes trickle in (the socket's receive timeout is set to
-    what is left before each receive)."""
+    what is left before each receive). With `fds` (a local socket), descriptors
+    that come with the bytes are appended to it."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -86,11 +114,24 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
             if left <= 0:
                 raise BlockingIOError("request deadline passed")
             _set_recv_timeout(sock, max(left, 0.001))
-        k = sock.recv_into(view[got:], n - got)
+        if fds is None:
+            k = sock.recv_into(view[got:], n - got)
+        else:
+            k, ancillary, _, _ = sock.recvmsg_into([view[got:]], FD_SPACE)
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            while len(fds) > 2:  # more than one with a request is refused anyway: hold no more
+                os.close(fds.pop())
         if k == 0:
             raise _Closed()
         got += k
     return bytes(buf)
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -100,7 +141,12 @@ class _Handler(socketserver.BaseRequestHandler):
         self.store = self.server.store
         self.maps: dict[int, mmap.mmap] = {}  # registered shared buffers, by mapping index
         self.sock: socket.socket = self.request
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.local = self.sock.family == socket.AF_UNIX
+        self.fds: list[int] = []  # descriptors received with the request being read (local socket only)
+        if self.local:
+            self.client_address = local_peer(self.sock)[1]
+        else:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         # blocking syscalls with kernel timeouts: a Python-level timeout would put
         # a poll() before every send and sendfile
@@ -112,17 +158,18 @@ class _Handler(socketserver.BaseRequestHandler):
         peer = self.client_address
         try:
             while True:
+                fds = self.fds if self.local else None
                 try:
-                    first = _recv_exact(self.sock, 1)
+                    first = _recv_exact(self.sock, 1, fds=fds)
                 except (_Closed, BlockingIOError):
                     return  # the client closed, or stayed idle past IDLE_TIMEOUT
                 request_id = 0
                 try:
                     deadline = time.monotonic() + self.server.request_timeout  # the rest of it, promptly
                     try:
-                        header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1, deadline))
+                        header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1, deadline, fds))
                         request_id = header.request_id
-                        body = _recv_exact(self.sock, header.body_len, deadline)
+                        body = _recv_exact(self.sock, header.body_len, deadline, fds)
                     except BlockingIOError:
                         log.warning("data port: %s sent part of a request and nothing more for %.0f s; closing",
                                     peer, self.server.request_timeout)
@@ -133,6 +180,7 @@ class _Handler(socketserver.BaseRequestHandler):
                         self._register_shm(header, body)
                     else:
                         self._read(header, *wire.parse_read(header, body))
+                    _close_all(self.fds)  # descriptors sent with anything but SHM_REGISTER
                 except wire.WireError as err:
                     self.store.counters.rejected_requests += 1
                     log.warning("data port: malformed request from %s: %s; closing", peer, err.message)
@@ -141,29 +189,35 @@ class _Handler(socketserver.BaseRequestHandler):
         except (_Closed, OSError) as err:  # the client vanished or stopped reading
             log.info("data port: connection from %s ended: %s", peer, err.__class__.__name__)
         finally:
+            _close_all(self.fds)
             for m in self.maps.values():
                 m.close()
 
     # ---- shared memory -----------------------------------------------------
 
     def _register_shm(self, header: wire.Header, body: bytes) -> None:
-        path, size = wire.parse_shm_register(header, body)
+        size = wire.parse_shm_register(header, body)
+        if not self.local:
+            raise wire.WireError("SHM_REGISTER is served on the chunkserver's local socket only, the memory "
+                                 "file passed by descriptor", code=9)
         if header.flags >= wire.MAX_MAPPINGS:
             raise wire.WireError(f"mapping {header.flags}: at most {wire.MAX_MAPPINGS} per connection")
-        name = os.path.basename(path)
-        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or not 0 < size <= MAX_SHM:
-            raise wire.WireError(f"shared buffer must be {SHM_DIR}/{SHM_PREFIX}* of 1..{MAX_SHM} bytes, "
-                                 f"not {path!r} of {size}")
+        if len(self.fds) != 1:
+            raise wire.WireError("SHM_REGISTER needs exactly one memory file's descriptor sent with it "
+                                 f"(SCM_RIGHTS), not {'none' if not self.fds else 'several'}")
+        fd = self.fds.pop()
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                if os.fstat(fd).st_size != size:
-                    raise wire.WireError(f"{path} is {os.fstat(fd).st_size} bytes, not {size}")
+            refused = _unsafe_to_map(fd, size)
+            if refused is None:
                 shm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
         except OSError as err:
-            self.sock.sendall(wire.encode_status(header.request_id, 5, f"cannot map {path}: {err.strerror}"))
+            refused = f"cannot map it: {err.strerror}"
+        finally:
+            os.close(fd)
+        if refused is not None:
+            self.store.counters.rejected_requests += 1
+            log.warning("data port: shared buffer from %s refused: %s", self.client_address, refused)
+            self.sock.sendall(wire.encode_status(header.request_id, 9, f"shared buffer refused: {refused}"))
             return
         old = self.maps.pop(header.flags, None)
         if old is not None:
@@ -316,35 +370,88 @@ class DataServer(socketserver.ThreadingTCPServer):
         self._open: dict[socket.socket, str] = {}  # connection -> its peer's host
         self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.local: LocalDataServer | None = None
         super().__init__(address, _Handler)
 
     def verify_request(self, request, client_address) -> bool:
-        host = client_address[0]
+        return self.admit(request, client_address[0])
+
+    def admit(self, request, peer: str) -> bool:
+        """Counts a new connection against MAX_CONNECTIONS and its peer's share
+        (a host, or on the local socket a user); False: refused."""
         with self._lock:
             if len(self._open) >= MAX_CONNECTIONS:
-                log.warning("data port: refusing %s: %d connections open", client_address, len(self._open))
+                log.warning("data port: refusing %s: %d connections open", peer, len(self._open))
                 return False
-            if self._per_peer.get(host, 0) >= self.peer_connections:
-                log.warning("data port: refusing %s: %s holds %d connections already (data_peer_connections)",
-                            client_address, host, self._per_peer[host])
+            if self._per_peer.get(peer, 0) >= self.peer_connections:
+                log.warning("data port: refusing another connection from %s: it holds %d already "
+                            "(data_peer_connections)", peer, self._per_peer[peer])
                 return False
-            self._open[request] = host
-            self._per_peer[host] = self._per_peer.get(host, 0) + 1
+            self._open[request] = peer
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             return True
 
     def shutdown_request(self, request) -> None:
-        with self._lock:
-            host = self._open.pop(request, None)
-            if host is not None:
-                self._per_peer[host] -= 1
-                if not self._per_peer[host]:
-                    del self._per_peer[host]
+        self.release(request)
         super().shutdown_request(request)
+
+    def release(self, request) -> None:
+        with self._lock:
+            peer = self._open.pop(request, None)
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if not self._per_peer[peer]:
+                    del self._per_peer[peer]
 
     @property
     def address(self) -> str:
         host, port = self.server_address[:2]
         return f"{host}:{port}"
+
+    def listen_local(self, address: str) -> None:
+        """Also serves on the local socket of the port as advertised at `address`."""
+        self.local = LocalDataServer(wire.local_socket_name(address), self)
+        threading.Thread(target=self.local.serve_forever, args=(0.1,), name="data-port-local", daemon=True).start()
+        log.info("data port: local socket for %s open (shared memory by descriptor)", address)
+
+    def shutdown(self) -> None:
+        if self.local is not None:
+            self.local.shutdown()
+        super().shutdown()
+
+    def server_close(self) -> None:
+        if self.local is not None:
+            self.local.server_close()
+        super().server_close()
+
+
+def local_peer(sock: socket.socket) -> tuple[str, str]:
+    """Who is at the other end of a local socket, from the kernel (SO_PEERCRED):
+    (the user its connections are counted against, a description for logs)."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return f"local uid {uid}", f"local uid {uid} pid {pid}"
+
+
+class LocalDataServer(socketserver.ThreadingUnixStreamServer):
+    """The data port's local socket: the same requests (and SHM_REGISTER, which
+    only this socket can carry), the same limits, counted per user."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128
+
+    def __init__(self, name: str, port: DataServer):
+        self.port = port
+        self.store, self.cluster_key, self.pool = port.store, port.cluster_key, port.pool
+        self.request_timeout = port.request_timeout
+        super().__init__(name, _Handler)
+
+    def verify_request(self, request, client_address) -> bool:
+        return self.port.admit(request, local_peer(request)[0])
+
+    def shutdown_request(self, request) -> None:
+        self.port.release(request)
+        super().shutdown_request(request)
 
 
 def start_data_server(listen: str, store: ChunkStore, request_timeout: float = 10.0,

@@ -38,6 +38,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     advertised = cfg.advertise or address
     # the data port is advertised on the same host as gRPC
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
+    if data:
+        data.listen_local(data_address)  # same-host clients: shared memory, passed by descriptor
     servicer = ChunkServicer(store, data_address, creds, key)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

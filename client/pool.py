@@ -2,9 +2,10 @@
 
 With CUDA, buffers are pinned (page-locked) torch tensors, so a restore's bytes
 can go to the GPU by DMA. Without CUDA (`torch.empty(pin_memory=True)` raises
-there), they come from a shared-memory arena (a sparse /dev/shm file mapped by
-this process): chunkservers on the same host map the arena too and read from
-disk straight into a restore's buffer, with no copy on the client. Past the
+there), they come from a shared-memory arena (a sparse, sealed memory file mapped
+by this process): chunkservers on the same host, handed its descriptor, map the
+arena too and read from disk straight into a restore's buffer, with no copy on
+the client. Past the
 arena's size, buffers are plain page-aligned anonymous mappings.
 """
 
@@ -12,44 +13,44 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import mmap
 import os
 import threading
-import uuid
 import weakref
 
-from kvfs.buffers import PAGE, address_of
+from kvfs.buffers import PAGE, address_of, sealed_memfd
+
+log = logging.getLogger(__name__)
 
 
 class SharedArena:
-    """A sparse /dev/shm file mapped here, carved into page-aligned buffers.
-
-    Its path stays in /dev/shm while the arena lives (chunkservers open it by
-    name when a connection registers it) and is removed on close or at exit.
+    """A sparse memory file (a sealed memfd, kvfs.buffers.sealed_memfd) mapped
+    here, carved into page-aligned buffers. A connection to a chunkserver's local
+    socket passes `fd` to it; the file goes when the arena is closed (or at exit)
+    and every mapping of it is gone.
     """
 
     def __init__(self, size: int):
-        self.path = f"/dev/shm/kvfs-arena-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(self._fd, size)  # sparse: pages exist only once reserved
-        self.map = mmap.mmap(self._fd, size)
+        self.fd = sealed_memfd("kvfs-arena", size)  # sparse: pages exist only once reserved
+        self.map = mmap.mmap(self.fd, size)
         self.size = size
         self.address = address_of(self.map)
         self._next = 0
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _release, self.path, self._fd)
+        self._finalizer = weakref.finalize(self, _release, self.fd)
         atexit.register(self._finalizer)
 
     def allocate(self, nbytes: int) -> memoryview | None:
-        """A buffer in the arena, or None when the arena or /dev/shm is full."""
+        """A buffer in the arena, or None when the arena or memory is full."""
         with self._lock:
             start = self._next
             end = start + -(-nbytes // PAGE) * PAGE
             if end > self.size:
                 return None
             try:
-                # reserve the pages now: touching an unbacked page of a full tmpfs is SIGBUS
-                os.posix_fallocate(self._fd, start, end - start)
+                # reserve the pages now: a full memory cgroup refuses here, not on first touch
+                os.posix_fallocate(self.fd, start, end - start)
             except OSError:
                 return None
             self._next = end
@@ -64,10 +65,9 @@ class SharedArena:
         self._finalizer()
 
 
-def _release(path: str, fd: int) -> None:
+def _release(fd: int) -> None:
     try:
         os.close(fd)
-        os.unlink(path)
     except OSError:
         pass
 
@@ -109,11 +109,12 @@ class BufferPool:
         self._kept = 0
         self._lock = threading.Lock()
         self.arena = None
-        if not self.pinned and arena_bytes and os.path.isdir("/dev/shm"):
+        if not self.pinned and arena_bytes:
             try:
                 self.arena = SharedArena(arena_bytes)
                 _arenas.add(self.arena)
-            except OSError:  # no usable /dev/shm: plain buffers, restores copy once more
+            except OSError as err:  # no sealable memfd here: plain buffers, restores copy once more
+                log.warning("no shared buffer arena (%s); restores over shm will be copied once", err)
                 self.arena = None
 
     def get(self, nbytes: int):

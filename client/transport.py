@@ -9,11 +9,12 @@ One small interface, three implementations:
                  connections per server, each drained by a thread that receives
                  every range with recv_into straight into its places in the
                  destination buffer and verifies its 64 KiB blocks as they land;
-  ShmTransport   same host: each connection registers a /dev/shm staging
-                 buffer and the process's BufferPool arena; the server reads
-                 from disk straight into the destination when it lies in the
-                 arena (else into staging, copied out), verifies the bytes there,
-                 and the socket carries only requests and completions.
+  ShmTransport   same host: each connection goes to the port's local socket
+                 and passes the descriptors of a sealed staging memfd and of the
+                 process's BufferPool arena; the server reads from disk straight
+                 into the destination when it lies in the arena (else into
+                 staging, copied out), verifies the bytes there, and the socket
+                 carries only requests and completions.
 
 Every transport checks, per range, that the chunk's block checksums the
 server sent hash to the checksum the metaserver committed for the chunk
@@ -34,12 +35,11 @@ import os
 import socket
 import struct
 import threading
-import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvfs import wire
-from kvfs.buffers import address_of, memmove
+from kvfs.buffers import address_of, memmove, sealed_memfd
 from kvfs.checksum import blocks_covering, checksum_of_blocks
 from kvfs.errors import Aborted, DataLoss, KvfsError, Unavailable, from_code
 
@@ -114,6 +114,27 @@ class Transport(Protocol):
     def abort(self, server: ServerInfo) -> None:
         """Gives up on what is in flight to `server` (it stopped answering): those
         reads fail, and ranges they were receiving are released to other readers."""
+
+
+def _connect(address: str, local: bool) -> socket.socket:
+    """A data connection: to the port's local socket when asked and there is one
+    (shared memory needs it), else over TCP."""
+    if local:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(CONNECT_TIMEOUT)
+            sock.connect(wire.local_socket_name(address))
+            sock.settimeout(None)
+            return sock
+        except OSError as err:
+            sock.close()
+            log.warning("no local socket for the data port at %s (%s); reading from it over TCP, "
+                        "without shared memory", address, err.strerror or err)
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def is_local(address: str) -> bool:
@@ -212,11 +233,8 @@ class _Connection:
     drained by a thread that places the bytes and then completes futures."""
 
     def __init__(self, address: str, shm_regions: int = 0, arena=None):
-        host, port = address.rsplit(":", 1)
         self.address = address
-        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT)
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = _connect(address, local=bool(shm_regions))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
         self.pending: dict[int, _Pending] = {}
@@ -229,15 +247,15 @@ class _Connection:
         self.shm_address = 0
         self.arena = None  # the client's buffer arena, when this server has mapped it
         self.shm_ranges = [0, 0]  # ranges served through staging, and straight into the destination
-        if shm_regions:
+        if shm_regions and self.sock.family == socket.AF_UNIX:
             try:
                 self._map_staging(shm_regions * SHM_REGION)
-            except KvfsError as err:  # e.g. the server's user may not open our files: plain TCP
-                log.warning("%s; reading from it over TCP instead", err.message)
+            except (OSError, KvfsError) as err:
+                log.warning("%s; reading from it without shared memory instead", err)
                 self.shm = None
         if self.shm is not None and arena is not None:
             try:
-                self._register(arena.path, arena.size, 1)
+                self._register(arena.fd, arena.size, 1)
                 self.arena = arena
             except KvfsError as err:
                 log.warning("%s; restores from it into pool buffers will be copied once", err.message)
@@ -245,20 +263,23 @@ class _Connection:
         self.thread.start()
 
     def _map_staging(self, size: int) -> None:
-        path = f"/dev/shm/kvfs-{os.getpid()}-{uuid.uuid4().hex}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = sealed_memfd("kvfs-staging", size)
         try:
-            os.ftruncate(fd, size)
-            self.shm = mmap.mmap(fd, size)
-            self._register(path, size, 0)
+            shm = mmap.mmap(fd, size)
+            try:
+                self._register(fd, size, 0)
+            except KvfsError:
+                shm.close()
+                raise
         finally:
-            os.close(fd)
-            os.unlink(path)  # both sides keep their mappings; nothing is left in /dev/shm
+            os.close(fd)  # the mappings (ours, and the server's) keep the file
+        self.shm = shm
         self.shm_address = address_of(self.shm)
 
-    def _register(self, path: str, size: int, mapping: int) -> None:
-        """SHM_REGISTER, before the drain thread starts (so the reply is ours to read)."""
-        self.sock.sendall(wire.encode_shm_register(0, path, size, mapping))
+    def _register(self, fd: int, size: int, mapping: int) -> None:
+        """SHM_REGISTER with the file's descriptor, before the drain thread starts
+        (so the reply is ours to read)."""
+        socket.send_fds(self.sock, [wire.encode_shm_register(0, size, mapping)], [fd])
         header = bytearray(wire.HEADER.size)
         _recv_exact(self.sock, memoryview(header))
         h = wire.parse_header(bytes(header), requests=False)

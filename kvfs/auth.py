@@ -60,8 +60,8 @@ DATA_PORT_RULES: dict[int, tuple[str, str]] = {
     wire.READ: ("READ", "anyone who reaches the port and holds a read grant for the namespace each chunk's "
                         "owner record names"),
     wire.READ_SHM: ("READ_SHM", "as READ, from a local process; into buffers it registered"),
-    wire.SHM_REGISTER: ("SHM_REGISTER", "a local process that reaches the port; next step: the buffer passed "
-                                        "by file descriptor, never by name"),
+    wire.SHM_REGISTER: ("SHM_REGISTER", "a local process on the port's local socket, for a memory file it passes "
+                                        "by descriptor, sealed against shrinking; never by name, never over TCP"),
 }
 
 

@@ -8,8 +8,13 @@ moving its start pointer (no copy), so over-allocate and trim to the boundary.
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
 
 PAGE = 4096
+# what a memory file shared with a chunkserver must be sealed with: it can then
+# never shrink under the server's mapping (a truncated mapping is SIGBUS on access)
+SHARED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def address_of(buf) -> int:
@@ -22,6 +27,20 @@ def memmove(dst: int, src: int, n: int) -> None:
     around foreign calls; a memoryview slice assignment keeps it), so receiver
     threads and the event loop copy in parallel."""
     ctypes.memmove(dst, src, n)
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A sparse memory file of `size` bytes (memfd_create), sealed with SHARED_SEALS:
+    its descriptor can be passed to a chunkserver (SCM_RIGHTS), which can map it and
+    write into it but never be made to fault on it. Close the descriptor when done."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def aligned_bytearray(n: int, align: int = PAGE) -> bytearray:

@@ -10,8 +10,12 @@ Requests (client -> server):
                 ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
   READ_SHM      as READ, each range (length > 0) followed by mapping u8, n u16 and n
                 pieces (offset u64 in the mapping, length u32) that its bytes fill in order
-  SHM_REGISTER  path_len u16, path, size u64: map this /dev/shm file as mapping `flags`
-                (0: the connection's staging buffer, 1: the client's buffer arena)
+  SHM_REGISTER  size u64: map the memory file sent with this request as mapping `flags`
+                (0: the connection's staging buffer, 1: the client's buffer arena).
+                Only on the chunkserver's local socket (`local_socket_name`), the
+                file passed as a descriptor (SCM_RIGHTS) with the request's bytes: a
+                memfd sealed against shrinking, so it cannot be truncated under the
+                server, and one the client itself could open (never a name)
 Replies (server -> client), same request id:
   READ_REPLY    count range results: code u16, msg_len u16, message, data start u64,
                 data length u64, chunk length u64, n u32, n x xxh3-64 of every 64 KiB
@@ -43,7 +47,8 @@ import xxhash
 from kvfs.checksum import BLOCK, blocks_covering
 
 MAGIC = b"KVFS"
-VERSION = 3  # 2: replies carry every block checksum of the chunk; 3: reads carry a read grant
+VERSION = 4  # 2: replies carry every block checksum of the chunk; 3: reads carry a read grant;
+# 4: shared memory registered by descriptor on the local socket, not by path
 HEADER = struct.Struct("<4sBBHQII")
 
 READ, READ_SHM, SHM_REGISTER = 1, 2, 3
@@ -189,24 +194,23 @@ def parse_read(header: Header, body: bytes | memoryview) -> tuple[bytes, list[Ra
     return grant, out
 
 
-def encode_shm_register(request_id: int, path: str, size: int, mapping: int = 0) -> bytes:
-    raw = path.encode()
-    body = struct.pack("<H", len(raw)) + raw + struct.pack("<Q", size)
-    return encode_header(SHM_REGISTER, request_id, 0, len(body), flags=mapping) + body
+def encode_shm_register(request_id: int, size: int, mapping: int = 0) -> bytes:
+    """The request's bytes; the memory file's descriptor goes with them (socket.send_fds)."""
+    return encode_header(SHM_REGISTER, request_id, 0, 8, flags=mapping) + struct.pack("<Q", size)
 
 
-def parse_shm_register(header: Header, body: bytes | memoryview) -> tuple[str, int]:
-    if len(body) != header.body_len or len(body) < 10:
-        raise WireError("malformed SHM_REGISTER body")
-    (n,) = struct.unpack_from("<H", body)
-    if len(body) != 2 + n + 8:
-        raise WireError("malformed SHM_REGISTER body")
-    try:
-        path = bytes(body[2 : 2 + n]).decode()
-    except UnicodeDecodeError:
-        raise WireError("SHM_REGISTER path is not UTF-8") from None
-    (size,) = struct.unpack_from("<Q", body, 2 + n)
-    return path, size
+def parse_shm_register(header: Header, body: bytes | memoryview) -> int:
+    """The size to map."""
+    if len(body) != header.body_len or len(body) != 8:
+        raise WireError("malformed SHM_REGISTER body: a size u64 and nothing else")
+    return struct.unpack("<Q", body)[0]
+
+
+def local_socket_name(address: str) -> str:
+    """The chunkserver's local socket for the data port at `address` (host:port as
+    advertised): an abstract Unix socket, named after it, in the network namespace
+    of both (the same one a client reaches the port through)."""
+    return f"\0kvfs-data/{address}"
 
 
 def encode_status(request_id: int, code: int, message: str) -> bytes:

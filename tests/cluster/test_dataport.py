@@ -113,7 +113,7 @@ async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkserve
         (wire.encode_header(wire.READ, 5, wire.MAX_RANGES + 1, 0), 3, "ranges"),
         (wire.encode_header(wire.READ, 6, 2, 9) + b"\x00" * 9, 3, "chunk id length"),
         (wire.encode_read(7, [wire.Range(b"known", 0, 10, 0, ((0, 10),))], shm=True, grant=grant), 9, "SHM_REGISTER"),
-        (wire.encode_shm_register(8, "/etc/passwd", 100), 3, "/dev/shm"),
+        (wire.encode_shm_register(8, 100), 9, "local socket only"),  # shared memory never over TCP
     ]
     for frame, code, text in cases:
         header, body, sock = raw_request(data_address, frame)
@@ -221,13 +221,18 @@ async def test_shm_reads_straight_into_buffer_pool_memory(local_cluster, mode):
         assert bytes(again.numpy()) == payload and stats.retries > 0
 
 
-async def test_a_server_that_cannot_map_our_buffer_is_read_over_tcp(local_cluster, monkeypatch, caplog):
+async def test_a_server_that_refuses_our_buffer_is_read_without_shared_memory(local_cluster, monkeypatch, caplog):
     from kvfs.client import transport
 
-    def refused(self, size):  # as when the chunkserver's user may not open our /dev/shm files
-        self._register("/dev/shm/kvfs-that-does-not-exist", size, 0)
+    def unsealed(self, size):  # a memory file the server must refuse: it could shrink under its mapping
+        fd = os.memfd_create("kvfs-test-unsealed")
+        try:
+            os.ftruncate(fd, size)
+            self._register(fd, size, 0)
+        finally:
+            os.close(fd)
 
-    monkeypatch.setattr(transport._Connection, "_map_staging", refused)
+    monkeypatch.setattr(transport._Connection, "_map_staging", unsealed)
     cluster = local_cluster()
     tokens = tokens_for(4, seed=11)
     payload = os.urandom(MLA.buffer_bytes(len(tokens)))
@@ -235,5 +240,5 @@ async def test_a_server_that_cannot_map_our_buffer_is_read_over_tcp(local_cluste
         await client.write(NS, tokens, payload, MLA)
         out, order, stats = await restore(client, tokens)
         assert bytes(out) == payload and stats.retries == 0
-        assert client._transports["shm"].ranges == {"staged": 0, "zero_copy": 0}  # all came over TCP
-    assert "reading from it over TCP instead" in caplog.text
+        assert client._transports["shm"].ranges == {"staged": 0, "zero_copy": 0}  # all came over the socket
+    assert "not sealed against shrinking" in caplog.text and "without shared memory instead" in caplog.text

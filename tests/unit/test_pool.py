@@ -1,13 +1,21 @@
 """BufferPool on a machine without CUDA: page-aligned shared-memory buffers."""
 
+import fcntl
 import os
 
+import pytest
+
+from kvfs.buffers import SHARED_SEALS
 from kvfs.client.pool import BufferPool, arena_of
 
 
 def test_buffers_come_from_the_arena_until_it_is_full_then_from_plain_memory():
     pool = BufferPool(arena_bytes=3 * 4096)
-    assert not pool.pinned and os.path.exists(pool.arena.path)
+    assert not pool.pinned
+    # a memory file that can never shrink under a chunkserver that maps it
+    assert fcntl.fcntl(pool.arena.fd, fcntl.F_GET_SEALS) & SHARED_SEALS == SHARED_SEALS
+    with pytest.raises(PermissionError):
+        os.ftruncate(pool.arena.fd, 4096)
     a, b = pool.get(4096), pool.get(5000)
     assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
     assert arena_of(a.data_ptr(), 4096)[1] == 0 and arena_of(b.data_ptr(), 5000)[1] == 4096
@@ -17,6 +25,7 @@ def test_buffers_come_from_the_arena_until_it_is_full_then_from_plain_memory():
     assert int(a.sum()) == 7 * 4096
     pool.put(a)
     assert pool.get(4096) is a
-    path = pool.arena.path
+    fd = pool.arena.fd
     pool.arena.close()
-    assert not os.path.exists(path)  # nothing left behind in /dev/shm
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the descriptor is closed: the file goes with the last mapping

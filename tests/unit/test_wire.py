@@ -70,9 +70,11 @@ def test_replies_and_statuses_round_trip():
     frame = wire.encode_status(4, 3, "bad")
     header = wire.parse_header(frame[:24], requests=False)
     assert wire.parse_status(header, frame[24:]) == (3, "bad")
-    frame = wire.encode_shm_register(1, "/dev/shm/kvfs-x", 1 << 20, mapping=1)
+    frame = wire.encode_shm_register(1, 1 << 20, mapping=1)
     header, body = split(frame)
-    assert wire.parse_shm_register(header, body) == ("/dev/shm/kvfs-x", 1 << 20) and header.flags == 1
+    assert wire.parse_shm_register(header, body) == 1 << 20 and header.flags == 1
+    with pytest.raises(wire.WireError, match="malformed"):  # the old body, naming a path: no longer taken
+        wire.parse_shm_register(wire.Header(wire.SHM_REGISTER, 0, 1, 0, 25), b"\x0f\x00/dev/shm/kvfs-x" + bytes(8))
 
 
 @settings(max_examples=500)
