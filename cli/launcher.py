@@ -43,6 +43,7 @@ class ServerProcess:
     log_path: pathlib.Path
     args: list[str] = field(default_factory=list)
     credentials: Credentials | None = None  # what the launcher talks to it with (None: --insecure)
+    metrics_address: str = ""  # host:port of its Prometheus metrics ("": it serves none)
 
     @property
     def pid(self) -> int:
@@ -143,7 +144,9 @@ def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
             server.kill()
             raise LaunchError(f"{name} did not start within {timeout}s:\n{server.log_tail()}")
         time.sleep(0.02)
-    server.address = ready.read_text().strip()
+    address, *others = ready.read_text().splitlines()
+    server.address = address.strip()
+    server.metrics_address = dict(line.split(" ", 1) for line in others).get("metrics", "")
     try:
         wait_healthy(server.address, max(1.0, deadline - time.monotonic()), credentials)
     except LaunchError:
@@ -204,14 +207,17 @@ class LocalCluster:
     >>> with LocalCluster("/tmp/kvfs", chunkservers=3, replicas=2) as cluster:
     ...     client = Client(cluster.meta_address, credentials=cluster.worker)
 
-    Mutual TLS from a local CA (see the module's docstring) unless `insecure`.
+    Mutual TLS from a local CA (see the module's docstring) unless `insecure`. The
+    metaserver serves Prometheus metrics on a free loopback port (`meta.metrics_address`)
+    unless `metrics` is off.
     """
 
     def __init__(self, root: str | os.PathLike, *, chunkservers: int = 3, replicas: int = 2,
                  capacity: str = "4GiB", meta_extra: list[str] | None = None,
                  chunk_extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 insecure: bool = False):
+                 insecure: bool = False, metrics: bool = True):
         self.root = pathlib.Path(root)
+        self.metrics = metrics
         self.insecure = insecure
         self.ca = None if insecure else local_ca(self.root)
         self.n = chunkservers
@@ -277,11 +283,13 @@ class LocalCluster:
         return self
 
     def start_metaserver(self, timeout: float = 30) -> ServerProcess:
-        """(Re)starts the metaserver, on the same address as before if it had one."""
+        """(Re)starts the metaserver, on the same addresses as before if it had them."""
         listen = self.meta.address if self.meta else "127.0.0.1:0"
+        extra = self.meta_extra
+        if self.metrics:
+            extra = [*extra, "--metrics-listen", self.meta.metrics_address if self.meta else "127.0.0.1:0"]
         self.meta = start_metaserver(self.root / "metaserver", listen=listen, replicas=self.replicas,
-                                     extra=self.meta_extra, run_dir=self.root, timeout=timeout, env=self.env,
-                                     ca=self.ca)
+                                     extra=extra, run_dir=self.root, timeout=timeout, env=self.env, ca=self.ca)
         return self.meta
 
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:

@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import grpc
+from google.protobuf import json_format
 from rich.console import Console
 from rich.table import Table
 
@@ -107,7 +108,7 @@ def _cluster_up(args) -> int:
     cluster.start()
     state = root / "cluster.json"
     try:
-        print(f"metaserver {cluster.meta_address}", flush=True)
+        print(f"metaserver {cluster.meta_address} metrics http://{cluster.meta.metrics_address}/metrics", flush=True)
         for i, cs in enumerate(cluster.chunkservers):
             print(f"chunkserver cs-{i} {cs.address} host-{i}", flush=True)
         tls_dir = str(cluster.ca.folder.resolve()) if cluster.ca else None
@@ -120,7 +121,8 @@ def _cluster_up(args) -> int:
             print("WARNING: --insecure: plaintext gRPC, no authentication, no access rules", flush=True)
         state.write_text(json.dumps({"pid": os.getpid(), "metaserver": cluster.meta_address,
                                      "tls": tls_dir, "insecure": args.insecure,
-                                     "servers": {p.name: {"address": p.address, "pid": p.pid}
+                                     "servers": {p.name: {"address": p.address, "pid": p.pid,
+                                                          "metrics": p.metrics_address}
                                                  for p in cluster.processes()}}))
         print(f"cluster up ({args.chunkservers} chunkservers, {args.replicas} replicas, data in {root}); "
               f"Ctrl-C or `kvfs cluster down --data-dir {root}` stops it", flush=True)
@@ -200,7 +202,13 @@ def _admin(args) -> int:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
         try:
             if args.cmd == "status":
-                console.print(_status_table(stub.Status(meta_pb2.StatusRequest(), timeout=10)))
+                status = stub.Status(meta_pb2.StatusRequest(), timeout=10)
+                if args.json:
+                    print(json.dumps(json_format.MessageToDict(status, preserving_proto_field_name=True,
+                                                               always_print_fields_with_no_presence=True),
+                                     indent=2))
+                else:
+                    console.print(_status_table(status))
             elif args.cmd == "rebuild":
                 r = stub.Rebuild(meta_pb2.RebuildRequest(), timeout=600)
                 console.print(f"rebuild: {r.chunks_seen} chunks seen, {r.blocks_restored} blocks restored, "
@@ -306,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--meta", help="metaserver host:port (default: the local cluster's)")
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR, help="local cluster folder")
         _add_credential_flags(p)
+        if name == "status":
+            p.add_argument("--json", action="store_true",
+                           help="print the metaserver's Status reply as JSON (protobuf's JSON mapping: 64-bit "
+                                "counts are strings)")
 
     demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
     demo.add_argument("--prompts", type=int, default=200)

@@ -80,6 +80,16 @@ def check_choices(cfg: Any) -> None:
             raise ValueError(f"{f.name} must be one of {', '.join(choices)}, not {getattr(cfg, f.name)!r}")
 
 
+def check_listen(name: str, value: str) -> None:
+    """Raises ValueError unless `value` is empty (off) or host:port, the host given:
+    a server binds only where it is told."""
+    if not value:
+        return
+    host, _, port = value.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{name} must be host:port (e.g. 127.0.0.1:9100), not {value!r}")
+
+
 C = TypeVar("C")
 # Field annotations are strings under `from __future__ import annotations`.
 _TYPES: dict[str, type] = {"int": int, "str": str, "bool": bool, "float": float}

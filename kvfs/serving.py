@@ -11,6 +11,7 @@ import sys
 import time
 
 import grpc
+from prometheus_client import CollectorRegistry, start_http_server
 
 from kvfs import tls
 from kvfs.auth import Authorizer
@@ -71,14 +72,33 @@ def bound_address(listen: str, port: int) -> str:
     return f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
-def write_ready_file(path: str, address: str) -> None:
-    """Atomically writes the bound address where a launcher waits for it."""
+def write_ready_file(path: str, address: str, metrics: str = "") -> None:
+    """Atomically writes the bound address where a launcher waits for it, and on a
+    second line `metrics HOST:PORT` when the server serves metrics."""
     if not path:
         return
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        fh.write(address)
+        fh.write(address + (f"\nmetrics {metrics}" if metrics else ""))
     os.replace(tmp, path)
+
+
+class MetricsServer:
+    """prometheus_client's HTTP server for one registry, in a thread of its own,
+    bound to `listen` (host:port; port 0 picks a free one) and nowhere else."""
+
+    def __init__(self, listen: str, registry: CollectorRegistry):
+        host, _, port = listen.rpartition(":")
+        try:
+            self._httpd, self._thread = start_http_server(int(port), host.strip("[]"), registry=registry)
+        except OSError as err:
+            raise SystemExit(f"cannot serve metrics on {listen}: {err}") from None
+        self.address = f"{host}:{self._httpd.server_port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
 
 
 async def until_signalled() -> None:

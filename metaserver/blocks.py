@@ -186,6 +186,8 @@ class BlockTable:
         self._hits_dropped = 0
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
+        # lookups answered, the keys they asked for and the blocks they matched (metrics.py)
+        self.lookups = self.lookup_blocks_requested = self.lookup_blocks_matched = 0
 
     def __len__(self) -> int:
         return self.blocks
@@ -302,6 +304,9 @@ class BlockTable:
                     referenced.update(live.intersection(servers))
             rows.next()
         del rows
+        self.lookups += 1
+        self.lookup_blocks_requested += len(keys)
+        self.lookup_blocks_matched += len(parts)
         self._record_hits(namespace_digest, keys[: len(parts)], now)
         return self._reply(parts, referenced)
 

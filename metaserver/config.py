@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfs.config import KiB, MiB, check_choices, duration_field, option, parse_duration, size_field
+from kvfs.config import KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, size_field
 
 from .eviction import DEFAULT_POLICY, POLICIES
 
@@ -28,6 +28,8 @@ def parse_ttl_classes(text: str) -> dict[str, float]:
 class MetaserverConfig:
     data_dir: str = option("kvfs-data/metaserver", "folder for the metadata RocksDB")
     listen: str = option("127.0.0.1:7000", "host:port for gRPC (port 0 picks a free one)")
+    metrics_listen: str = option("", "host:port to serve Prometheus metrics on, over plain HTTP at /metrics (port 0 "
+                                 "picks a free one); empty: no metrics endpoint")
     replicas: int = option(2, "copies of every chunk, on servers in distinct failure domains")
     chunk_size: int = size_field(1 * MiB, "blocks are cut into chunks of at most this size")
     ttl_classes: str = option("agent=3d,chat=7d", "TTL classes, name=duration; refreshed on every hit")
@@ -75,6 +77,7 @@ class MetaserverConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        check_listen("metrics_listen", self.metrics_listen)
         classes = parse_ttl_classes(self.ttl_classes)
         if self.default_ttl_class not in classes:
             raise ValueError(f"default_ttl_class {self.default_ttl_class!r} is not one of "

@@ -7,13 +7,15 @@ import logging
 import sys
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
-from kvfs.serving import (LoopStats, bound_address, cluster_key, credentials, grpc_server, run_server,
-                          until_signalled, watch_event_loop, write_ready_file)
+from kvfs.serving import (LoopStats, MetricsServer, bound_address, cluster_key, credentials, grpc_server,
+                          run_server, until_signalled, watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
+from .metrics import RpcMetrics, StatusCollector
 from .repair import Repairer
 from .service import MetaServicer, add_to_server
 from .state import MetaState
@@ -33,19 +35,27 @@ async def serve(cfg: MetaserverConfig) -> None:
     repairer = Repairer(state, lifecycle)
     server = grpc_server("metaserver", creds, cfg.max_request_bytes)
     loop = LoopStats()
-    add_to_server(MetaServicer(state, lifecycle, loop), server)
+    registry = CollectorRegistry()
+    servicer = MetaServicer(state, lifecycle, loop, RpcMetrics(registry))
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
+    metrics = None
+    if cfg.metrics_listen:  # before serving: a port taken stops the server before any call reaches it
+        registry.register(StatusCollector(state.blocks, servicer.status, asyncio.get_running_loop()))
+        ProcessCollector(registry=registry)
+        metrics = MetricsServer(cfg.metrics_listen, registry)
+        log.info("metrics on http://%s/metrics", metrics.address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%",
              address, cfg.data_dir, cfg.replicas, cfg.chunk_size, cfg.eviction_policy, 100 * cfg.evict_high,
              100 * cfg.evict_low)
-    write_ready_file(cfg.ready_file, address)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
              asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever()),
              asyncio.create_task(watch_event_loop(log, loop))]
+    write_ready_file(cfg.ready_file, address, metrics.address if metrics else "")
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()
@@ -54,6 +64,8 @@ async def serve(cfg: MetaserverConfig) -> None:
         t.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
+    if metrics:
+        metrics.close()
     await lifecycle.close()
     state.close()
 

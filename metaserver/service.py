@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from kvfs.auth import check_server_id, check_tenant
 from kvfs.errors import InvalidArgument
@@ -15,6 +16,7 @@ from kvfs.rpc import handles_errors
 from kvfs.serving import STALL_BOUNDS, LoopStats
 
 from .lifecycle import Lifecycle
+from .metrics import RpcMetrics, timed
 from .state import MetaState
 
 # After an eviction, how long a writer's call waits for the deletes to reach the
@@ -50,10 +52,12 @@ def add_to_server(servicer: MetaServicer, server) -> None:
 
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
-    def __init__(self, state: MetaState, lifecycle: Lifecycle, loop: LoopStats | None = None):
+    def __init__(self, state: MetaState, lifecycle: Lifecycle, loop: LoopStats | None = None,
+                 rpc_metrics: RpcMetrics | None = None):
         self.state = state
         self.lifecycle = lifecycle
         self.loop = loop or LoopStats()
+        self.rpc_metrics = rpc_metrics or RpcMetrics(CollectorRegistry())  # a registry nobody serves
 
     @handles_errors
     async def Register(self, request, context):
@@ -78,6 +82,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             await asyncio.wait({self.lifecycle.delete_soon()}, timeout=DELETE_WAIT)
 
     @handles_errors
+    @timed
     async def AllocateBlocks(self, request, context):
         evicted = self.state.evicted_blocks
         reply = await self.state.allocate_async(namespace_digest(request.namespace, context), list(request.keys),
@@ -87,6 +92,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return reply
 
     @handles_errors
+    @timed
     async def CommitBlocks(self, request, context):
         evicted = self.state.evicted_blocks
         digest = namespace_digest(request.namespace, context)
@@ -96,11 +102,16 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         return meta_pb2.CommitBlocksReply(committed=committed, already_present=already)
 
     @handles_errors
+    @timed
     async def MatchPrefix(self, request, context):
         return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys))
 
     @handles_errors
     async def Status(self, request, context):
+        return self.status()
+
+    def status(self) -> meta_pb2.StatusReply:
+        """What Status answers; the metrics' snapshot too (metrics.py)."""
         st = self.state
         now = st.clock()
         reply = meta_pb2.StatusReply(blocks=st.blocks.blocks, block_bytes=st.blocks.payload_bytes,

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 from helpers import wait_until
 
@@ -38,11 +39,21 @@ def test_cluster_up_status_down(tmp_path):
             lines.append(line)
         assert lines[0].startswith("metaserver 127.0.0.1:")
         assert [l.split()[:2] for l in lines[1:3]] == [["chunkserver", "cs-0"], ["chunkserver", "cs-1"]]
-        pids = [s["pid"] for s in json.loads((data / "cluster.json").read_text())["servers"].values()]
+        servers = json.loads((data / "cluster.json").read_text())["servers"]
+        pids = [s["pid"] for s in servers.values()]
+        metrics = servers["metaserver"]["metrics"]
+        assert lines[0].split()[2:] == ["metrics", f"http://{metrics}/metrics"]
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
+            assert b'kvfs_meta_servers{state="live"} 2.0' in reply.read()
         status = subprocess.run([*KVFS, "status", "--data-dir", str(data)], capture_output=True, text=True,
                                 timeout=60)
         assert status.returncode == 0, status.stderr
         assert status.stdout.count(" yes ") == 2
+        status = subprocess.run([*KVFS, "status", "--json", "--data-dir", str(data)], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert [(s["id"], s["live"]) for s in json.loads(status.stdout)["servers"]] == [("cs-0", True),
+                                                                                        ("cs-1", True)]
         down = subprocess.run([*KVFS, "cluster", "down", "--data-dir", str(data)], capture_output=True,
                               text=True, timeout=60)
         assert down.returncode == 0 and "cluster stopped" in down.stdout
