@@ -57,6 +57,20 @@ def _status_table(status) -> Table:
     return table
 
 
+def _usage_table(reply) -> Table:
+    table = Table(title="kvfs usage per tenant", caption="tokens hit: served from cache; written: committed new "
+                  "(misses written back); GiB-hours: payload stored over time, since metering began")
+    for col in ("tenant", "lookups", "blocks hit", "hit ratio", "tokens hit", "tokens written", "stored now",
+                "GiB-hours", "since"):
+        table.add_column(col, justify="left" if col == "tenant" else "right")
+    for u in reply.tenants:
+        ratio = f"{u.blocks_hit / u.blocks_requested:.1%}" if u.blocks_requested else "-"
+        table.add_row(u.tenant, f"{u.lookups:,}", f"{u.blocks_hit:,}", ratio, f"{u.tokens_hit:,}",
+                      f"{u.tokens_written:,}", _human(u.bytes_stored), f"{u.byte_seconds / 3600 / (1 << 30):,.3f}",
+                      time.strftime("%Y-%m-%d %H:%M", time.gmtime(u.since)))
+    return table
+
+
 def _cluster_state(args) -> dict | None:
     state = pathlib.Path(args.data_dir) / "cluster.json"
     return json.loads(state.read_text()) if state.exists() else None
@@ -209,6 +223,14 @@ def _admin(args) -> int:
                                      indent=2))
                 else:
                     console.print(_status_table(status))
+            elif args.cmd == "usage":
+                usage = stub.Usage(meta_pb2.UsageRequest(tenants=args.tenant), timeout=10)
+                if args.json:
+                    print(json.dumps(json_format.MessageToDict(usage, preserving_proto_field_name=True,
+                                                               always_print_fields_with_no_presence=True),
+                                     indent=2))
+                else:
+                    console.print(_usage_table(usage))
             elif args.cmd == "rebuild":
                 r = stub.Rebuild(meta_pb2.RebuildRequest(), timeout=600)
                 console.print(f"rebuild: {r.chunks_seen} chunks seen, {r.blocks_restored} blocks restored, "
@@ -308,16 +330,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR)
 
     for name, text in (("status", "servers, liveness, capacity, blocks, bytes"),
+                       ("usage", "per-tenant usage: lookups, tokens served from cache and written, storage over "
+                                 "time (what to bill from)"),
                        ("rebuild", "rebuild block metadata from chunkserver inventories"),
                        ("gc", "run expiry and garbage collection now")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--meta", help="metaserver host:port (default: the local cluster's)")
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR, help="local cluster folder")
         _add_credential_flags(p)
-        if name == "status":
+        if name in ("status", "usage"):
             p.add_argument("--json", action="store_true",
-                           help="print the metaserver's Status reply as JSON (protobuf's JSON mapping: 64-bit "
-                                "counts are strings)")
+                           help=f"print the metaserver's {name.title()} reply as JSON (protobuf's JSON mapping: "
+                                "64-bit counts are strings)")
+        if name == "usage":
+            p.add_argument("--tenant", action="append", default=[], help="only this tenant (repeatable)")
 
     demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
     demo.add_argument("--prompts", type=int, default=200)

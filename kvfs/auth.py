@@ -34,6 +34,8 @@ RULES: dict[str, frozenset[str]] = {
     _META + "MatchPrefix": frozenset({WORKER}),
     # cluster-wide counts and server addresses, nothing per tenant (the SDK's status())
     _META + "Status": frozenset({WORKER, ADMIN, SERVER}),
+    # per-tenant usage (`kvfs usage`): workers for the tenants their certificate names, admins all
+    _META + "Usage": frozenset({WORKER, ADMIN}),
     # operator commands (`kvfs rebuild`, `kvfs gc`)
     _META + "Rebuild": frozenset({ADMIN, SERVER}),
     _META + "RunLifecycle": frozenset({ADMIN, SERVER}),
@@ -81,6 +83,19 @@ def check_tenant(context, tenant: str) -> None:
         allowed = ", ".join(sorted(who.tenants)) if who and who.tenants else "none"
         raise PermissionDenied(f"{who or 'an unidentified caller'} may not act for tenant {tenant!r} "
                                f"(its certificate allows: {allowed})")
+
+
+def tenants_visible(context):
+    """Which tenants' figures the caller may see: every tenant for an admin (or on a
+    plaintext server), else those its certificate lets it act for."""
+    if is_plaintext(context):
+        return lambda tenant: True
+    who = peer_identity(context)
+    if who is None:
+        return lambda tenant: False
+    if ADMIN in who.roles:
+        return lambda tenant: True
+    return who.may_act_for
 
 
 def check_server_id(context, server_id: str) -> None:

@@ -295,8 +295,11 @@ class Allocations:
         replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present)
                     if raw is not None and live is None and f in new}
         batch = WriteBatch(raw_mode=True)
-        garbage += self.blocks.add(batch, list(new.items()), replaced)
         record = alloc.record
+        if new:
+            layout = layout_of(record.layout)
+            self.blocks.usage.written(namespace_digest, len(new), layout.block_tokens, layout.payload_bytes)
+        garbage += self.blocks.add(batch, list(new.items()), replaced)
         settled = len(record.keys) if last else order[blocks[-1].key] + 1
         for key in record.keys[record.settled : settled]:
             garbage += chunks_by_key.pop(key, [])  # allocated, not named by the commit: abandoned

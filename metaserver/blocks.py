@@ -37,6 +37,7 @@ from .membership import Membership
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT, VICTIM,
                       Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
                       reply_tail, row_bound, row_key, u64, victim_key)
+from .usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,15 @@ class Slots:
         return lo <= slot < hi
 
 
+def _per_namespace(rows: list[tuple[bytes, Row]]) -> dict[bytes, tuple[int, int]]:
+    """Blocks and payload bytes per namespace."""
+    out: dict[bytes, tuple[int, int]] = {}
+    for full, row in rows:
+        n, nbytes = out.get(full[:KEY_BYTES], (0, 0))
+        out[full[:KEY_BYTES]] = (n + 1, nbytes + row.nbytes)
+    return out
+
+
 class BlockTable:
     def __init__(self, cfg: MetaserverConfig, db: MetaDB, members: Membership, clock: Callable[[], float]):
         self.cfg = cfg
@@ -186,6 +196,7 @@ class BlockTable:
         self._hits_dropped = 0
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
+        self.usage = Usage(db, clock, cfg.usage_max_tenants)  # per tenant, moved with the blocks
         # lookups answered, the keys they asked for and the blocks they matched (metrics.py)
         self.lookups = self.lookup_blocks_requested = self.lookup_blocks_matched = 0
 
@@ -200,6 +211,7 @@ class BlockTable:
                             (b"next_slot", self.next_slot)):
             batch.put(COUNTER + name, u64(value))
         batch.put(COUNTER + b"aging", struct.pack(">d", self.ranks.aging))
+        self.usage.stage(batch)
 
     def ttl_of(self, ttl_class: str) -> float:
         return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
@@ -254,9 +266,10 @@ class BlockTable:
 
     # ---- lookup ----------------------------------------------------------
 
-    def match(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
+    def match(self, namespace_digest: bytes, keys: list[bytes]) -> tuple[bytes, int, bytes]:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
-        readable blocks from keys[0]. Rows are read in slot order from the first
+        readable blocks from keys[0], how many blocks that is, and the first one's
+        location (framed as in the reply; b"" when none). Rows are read in slot order from the first Rows are read in slot order from the first
         block's slot: while a prompt's blocks lie in consecutive slots this is one
         range read; where the next row is not the next key's (a branch), one point
         read finds where that block is. Each block's stored location goes into the
@@ -308,7 +321,7 @@ class BlockTable:
         self.lookup_blocks_requested += len(keys)
         self.lookup_blocks_matched += len(parts)
         self._record_hits(namespace_digest, keys[: len(parts)], now)
-        return self._reply(parts, referenced)
+        return self._reply(parts, referenced), len(parts), parts[0] if parts else b""
 
     def _record_hits(self, namespace_digest: bytes, matched: list[bytes], now: float) -> None:
         """Remembers a lookup's hits until flush_hits writes them: in bulk, off the
@@ -389,6 +402,7 @@ class BlockTable:
             self.blocks -= 1
             self.payload_bytes -= old.nbytes
             self.cache_bytes -= old.footprint
+            self.usage.stored(full[:KEY_BYTES], -1, -old.nbytes)
         # committed parents: a leaf until now leaves the eviction index; depth from its row
         known = [p for p in parents_of_new if p not in fresh]
         depth: dict[bytes, int] = {}
@@ -432,6 +446,8 @@ class BlockTable:
             self.blocks += 1
             self.payload_bytes += row.nbytes
             self.cache_bytes += row.footprint
+        for ns, (n, nbytes) in _per_namespace(new).items():
+            self.usage.stored(ns, n, nbytes)
         self._trim_ghosts(batch, consumed)
         self._counters(batch)
         return garbage
@@ -473,6 +489,7 @@ class BlockTable:
         self.blocks -= 1
         self.payload_bytes -= row.nbytes
         self.cache_bytes -= row.footprint
+        self.usage.stored(full[:KEY_BYTES], -1, -row.nbytes)
         if stranding and self.db.has_prefix(CHILD + full):
             self.stranded.append(full)
         if not row.parent:

@@ -51,6 +51,8 @@ class MetaserverConfig:
     max_request_bytes: int = size_field(64 * MiB, "largest gRPC request the metaserver reads; a larger one is "
                                         "refused (RESOURCE_EXHAUSTED) before it is read. The largest real one, a "
                                         "CommitBlocks of max_keys MLA blocks, is about 25 MB")
+    usage_max_tenants: int = option(10_000, "tenants metered one by one (kvfs usage); past it, new tenants are "
+                                    "metered together as \"(other)\"")
     max_layers: int = option(1024, "most layers in the block layout of an AllocateBlocks")
     max_block_bytes: int = size_field(256 * MiB, "largest block (a layout's payload bytes) an AllocateBlocks may "
                                       "ask for")

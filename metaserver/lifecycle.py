@@ -230,6 +230,7 @@ class Lifecycle:
             await asyncio.sleep(FLUSH_EVERY)
             try:
                 await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
+                self.state.flush_usage()
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
                 if await self.drain(self.state.evict_slice, SLICE, room=True):

@@ -17,6 +17,8 @@ range scan that starts where the work is:
     a allocation id           -> AllocationRecord
     s server id               -> ServerRecord (with its number)
     m name                    -> a counter (blocks, bytes, cache footprint, aging)
+    n ns                      -> tenant   whose namespace it is (usage.py)
+    p tenant                  -> TenantUsage   what a tenant used (usage.py)
 
 `ns` is the 16-byte namespace digest and `key` the 16-byte block key, so `ns key`
 (FULL bytes) names a block. Block keys are chained hashes, random by design, so
@@ -46,6 +48,7 @@ FULL = 2 * KEY_BYTES  # namespace digest + block key
 BLOCK, ROW, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"l", b"c", b"x", b"v", b"r", b"u"
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
+NAMESPACE, USAGE = b"n", b"p"
 
 FORMAT = 4  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"

@@ -7,8 +7,8 @@ import asyncio
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kvfs.auth import check_server_id, check_tenant
-from kvfs.errors import InvalidArgument
+from kvfs.auth import check_server_id, check_tenant, tenants_visible
+from kvfs.errors import InvalidArgument, PermissionDenied
 from kvfs.grants import parse_owner
 from kvfs.keys import Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -23,6 +23,8 @@ from .state import MetaState
 # chunkservers: its chunk writes should find the space free there, not only in
 # metadata. Bounded, so a slow server cannot hold up writes.
 DELETE_WAIT = 5.0
+MAX_USAGE_NAMES = 1000  # tenants one Usage call may name
+MAX_TENANT_NAME = 256
 
 
 def namespace_digest(msg: meta_pb2.Namespace, context) -> bytes:
@@ -85,8 +87,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @timed
     async def AllocateBlocks(self, request, context):
         evicted = self.state.evicted_blocks
-        reply = await self.state.allocate_async(namespace_digest(request.namespace, context), list(request.keys),
-                                                request.layout, request.parent)
+        digest = namespace_digest(request.namespace, context)
+        self.state.blocks.usage.note(digest, request.namespace.tenant)  # its blocks are billed to the tenant
+        reply = await self.state.allocate_async(digest, list(request.keys), request.layout, request.parent)
         await self.state.durable()
         await self._free_evicted(evicted)
         return reply
@@ -104,7 +107,20 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     @timed
     async def MatchPrefix(self, request, context):
-        return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys))
+        return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys),
+                                      request.namespace.tenant)
+
+    @handles_errors
+    async def Usage(self, request, context):
+        names = list(request.tenants)
+        if len(names) > MAX_USAGE_NAMES or any(len(n) > MAX_TENANT_NAME for n in names):
+            raise InvalidArgument(f"Usage names at most {MAX_USAGE_NAMES} tenants of at most {MAX_TENANT_NAME} "
+                                  f"characters; got {len(names)}")
+        visible = tenants_visible(context)
+        hidden = sorted(n for n in names if not visible(n))
+        if hidden:
+            raise PermissionDenied(f"the caller may not see the usage of tenant {hidden[0]!r}")
+        return meta_pb2.UsageReply(tenants=self.state.blocks.usage.report(visible, names), at=self.state.clock())
 
     @handles_errors
     async def Status(self, request, context):

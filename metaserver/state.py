@@ -95,6 +95,7 @@ class MetaState:
 
     def close(self) -> None:
         self.flush_last_used()
+        self.flush_usage()
         self.db.close()
 
     async def durable(self) -> None:
@@ -161,9 +162,15 @@ class MetaState:
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
                                      self._write_turns)
 
-    def match_bytes(self, namespace_digest: bytes, keys: list[bytes]) -> bytes:
-        """MatchPrefix's reply, serialized, with a read grant for the namespace."""
-        reply = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
+    def match_bytes(self, namespace_digest: bytes, keys: list[bytes], tenant: str = "") -> bytes:
+        """MatchPrefix's reply, serialized, with a read grant for the namespace; with
+        `tenant`, the lookup is metered under it."""
+        reply, hit, first = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
+        if tenant:
+            # one layout per namespace (it names the model and cache format): the first block's is every block's
+            layout = layout_of(meta_pb2.MatchPrefixReply.FromString(first).blocks[0].layout) if hit else None
+            self.blocks.usage.lookup(tenant, len(keys), hit, layout.block_tokens if layout else 0,
+                                     layout.payload_bytes if layout else 0)
         if self.key is None:
             return reply
         grant = read_grant(self.key, namespace_digest, self.clock() + self.cfg.read_grant_ttl)
@@ -255,6 +262,13 @@ class MetaState:
 
     def flush_slice(self, limit: int = 4096) -> int:
         return self.blocks.flush_hits(limit)
+
+    def flush_usage(self) -> None:
+        """Writes usage records changed by lookups alone (block writes carry theirs)."""
+        if self.blocks.usage.dirty:
+            batch = WriteBatch(raw_mode=True)
+            self.blocks.usage.stage(batch)
+            self.db.write(batch)
 
     def flush_last_used(self) -> int:
         """Writes every recorded hit (bounded by MAX_PENDING_HITS)."""

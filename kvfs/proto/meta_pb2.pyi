@@ -296,6 +296,52 @@ class StatusReply(_message.Message):
     loop_longest_stall_s: float
     def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ...) -> None: ...
 
+class UsageRequest(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UsageReply(_message.Message):
+    __slots__ = ("tenants", "at")
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    at: float
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., at: _Optional[float] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "lookups", "blocks_requested", "blocks_hit", "tokens_hit", "bytes_hit", "blocks_written", "tokens_written", "bytes_written", "blocks_stored", "bytes_stored", "byte_seconds", "since", "as_of")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HIT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_HIT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    lookups: int
+    blocks_requested: int
+    blocks_hit: int
+    tokens_hit: int
+    bytes_hit: int
+    blocks_written: int
+    tokens_written: int
+    bytes_written: int
+    blocks_stored: int
+    bytes_stored: int
+    byte_seconds: float
+    since: float
+    as_of: float
+    def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ...) -> None: ...
+
 class LoopStalls(_message.Message):
     __slots__ = ("over_s", "count", "busy_count")
     OVER_S_FIELD_NUMBER: _ClassVar[int]

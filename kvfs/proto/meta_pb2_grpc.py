@@ -64,6 +64,11 @@ class MetaServiceStub:
                 request_serializer=meta__pb2.StatusRequest.SerializeToString,
                 response_deserializer=meta__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/kvfs.meta.MetaService/Usage',
+                request_serializer=meta__pb2.UsageRequest.SerializeToString,
+                response_deserializer=meta__pb2.UsageReply.FromString,
+                _registered_method=True)
         self.Rebuild = channel.unary_unary(
                 '/kvfs.meta.MetaService/Rebuild',
                 request_serializer=meta__pb2.RebuildRequest.SerializeToString,
@@ -119,6 +124,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """per-tenant usage, for billing: workers see the tenants their certificate names, admins all
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Rebuild(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -163,6 +175,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=meta__pb2.StatusRequest.FromString,
                     response_serializer=meta__pb2.StatusReply.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=meta__pb2.UsageRequest.FromString,
+                    response_serializer=meta__pb2.UsageReply.SerializeToString,
             ),
             'Rebuild': grpc.unary_unary_rpc_method_handler(
                     servicer.Rebuild,
@@ -337,6 +354,33 @@ class MetaService:
             '/kvfs.meta.MetaService/Status',
             meta__pb2.StatusRequest.SerializeToString,
             meta__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/Usage',
+            meta__pb2.UsageRequest.SerializeToString,
+            meta__pb2.UsageReply.FromString,
             options,
             channel_credentials,
             insecure,
