@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfs.config import GiB, KiB, MiB, check_choices, duration_field, option, size_field
+from kvfs.config import GiB, KiB, MiB, check_choices, check_listen, duration_field, option, size_field
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkserverConfig:
     data_dir: str = option("kvfs-data/chunkserver", "folder for slot files and the chunk index")
     listen: str = option("127.0.0.1:7100", "host:port for gRPC (port 0 picks a free one)")
+    metrics_listen: str = option("", "host:port to serve Prometheus metrics on, over plain HTTP at /metrics (port 0 "
+                                 "picks a free one); empty: no metrics endpoint")
     id: str = option("cs-1", "this server's id, unique in the cluster")
     failure_domain: str = option("default", "replicas of a chunk go to distinct failure domains")
     capacity: int = size_field(10 * GiB, "most bytes of slot files this server may allocate")
@@ -49,6 +51,7 @@ class ChunkserverConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        check_listen("metrics_listen", self.metrics_listen)
         if not 64 * KiB <= self.max_chunk_size <= 64 * MiB:
             raise ValueError("max_chunk_size must be between 64KiB and 64MiB")
         if self.capacity <= 0:

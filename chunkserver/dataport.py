@@ -44,6 +44,7 @@ import stat
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from kvfs import wire
 from kvfs.buffers import PAGE, address_of
@@ -51,6 +52,9 @@ from kvfs.errors import KvfsError, PermissionDenied
 from kvfs.grants import require_read_grant
 
 from .store import ChunkStore, PlannedRead, short_id
+
+if TYPE_CHECKING:  # metrics.py imports this module
+    from .metrics import TransportReads
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,8 @@ class _Handler(socketserver.BaseRequestHandler):
         self.sock: socket.socket = self.request
         self.local = self.sock.family == socket.AF_UNIX
         self.fds: list[int] = []  # descriptors received with the request being read (local socket only)
+        self.reads = self.server.reads["local" if self.local else "tcp"]
+        self.shm_reads = self.server.reads["shm"]
         if self.local:
             self.client_address = local_peer(self.sock)[1]
         else:
@@ -168,6 +174,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     deadline = time.monotonic() + self.server.request_timeout  # the rest of it, promptly
                     try:
                         header = wire.parse_header(first + _recv_exact(self.sock, wire.HEADER.size - 1, deadline, fds))
+                        arrived = time.perf_counter()
                         request_id = header.request_id
                         body = _recv_exact(self.sock, header.body_len, deadline, fds)
                     except BlockingIOError:
@@ -179,7 +186,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
                     else:
-                        self._read(header, *wire.parse_read(header, body))
+                        self._read(header, arrived, *wire.parse_read(header, body))
                     _close_all(self.fds)  # descriptors sent with anything but SHM_REGISTER
                 except wire.WireError as err:
                     self.store.counters.rejected_requests += 1
@@ -227,10 +234,12 @@ class _Handler(socketserver.BaseRequestHandler):
 
     # ---- reads -------------------------------------------------------------
 
-    def _read(self, header: wire.Header, grant: bytes, ranges: list[wire.Range]) -> None:
+    def _read(self, header: wire.Header, arrived: float, grant: bytes, ranges: list[wire.Range]) -> None:
+        """Answers a READ or READ_SHM that arrived (its header read) at `arrived` (perf_counter)."""
         shm = header.kind == wire.READ_SHM
         if shm and any(r.mapping not in self.maps for r in ranges):
             raise wire.WireError("READ_SHM into a mapping not registered with SHM_REGISTER", code=9)
+        reads = self.shm_reads if shm else self.reads
         key = self.server.cluster_key  # the data port knows no caller: with a key, every read needs its grant
         try:
             namespace = require_read_grant(key, grant, time.time()) if key is not None else None
@@ -240,6 +249,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 self.store.counters.rejected_requests += 1
                 log.warning("data port: read from %s without a valid read grant; refused", self.client_address)
             self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
+            reads.served(0, time.perf_counter() - arrived)
             return
         try:
             replies = [wire.RangeResult(r.code.value[0], r.message) for r in results]
@@ -249,16 +259,19 @@ class _Handler(socketserver.BaseRequestHandler):
                 replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, tuple(p.rec.blocks))
                 served.append((p, start, length))
             if shm:
-                self._read_into_shm(header, ranges, replies, served)
+                nbytes = self._read_into_shm(header, ranges, replies, served)
             elif self.store.io_mode == "buffered":
                 self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+                nbytes = 0
                 for p, start, length in served:
                     self._sendfile(self.store.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + start, length)
                     self.store.count_read(length)
+                    nbytes += length
             else:
-                self._send_direct(header, replies, served)
+                nbytes = self._send_direct(header, replies, served)
         finally:
             self.store.release(plan)
+        reads.served(nbytes, time.perf_counter() - arrived)
 
     def _sendfile(self, fd: int, offset: int, count: int) -> None:
         out = self.sock.fileno()
@@ -269,8 +282,10 @@ class _Handler(socketserver.BaseRequestHandler):
             offset += sent
             count -= sent
 
-    def _send_direct(self, header, replies, served) -> None:
+    def _send_direct(self, header, replies, served) -> int:
+        """Reads the ranges through the store's reader, sends them; the bytes sent."""
         ops = self.store.disk_reads([p for p, _, _ in served])
+        nbytes = 0
         try:
             done = self.store.reader.read_batch(ops).result() if ops else []
             for (p, _, length), got in zip(served, done):
@@ -282,11 +297,14 @@ class _Handler(socketserver.BaseRequestHandler):
                 if replies[p.index].code == 0:
                     self.sock.sendall(memoryview(buf)[:length])
                     self.store.count_read(length)
+                    nbytes += length
         finally:
             for _, _, buf in ops:
                 self.store.put_buffer(buf)
+        return nbytes
 
-    def _read_into_shm(self, header, ranges, replies, served) -> None:
+    def _read_into_shm(self, header, ranges, replies, served) -> int:
+        """Reads the ranges into the client's mappings; the bytes that landed verified."""
         # every range of the request is read at once (preadv in the server's pool,
         # which drops the GIL): the disk sees the whole batch, as io_uring would
         views = {k: memoryview(m) for k, m in self.maps.items()}
@@ -294,23 +312,24 @@ class _Handler(socketserver.BaseRequestHandler):
             jobs = [self.server.pool.submit(self._one_into_shm, views[ranges[p.index].mapping],
                                             ranges[p.index].pieces, p, start, length, replies[p.index])
                     for p, start, length in served]
-            for job in jobs:
-                job.result()
+            nbytes = sum(job.result() for job in jobs)
         finally:
             for v in views.values():
                 v.release()
         self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+        return nbytes
 
     def _one_into_shm(self, view: memoryview, pieces, p: PlannedRead, start: int, length: int,
-                      reply: wire.RangeResult) -> None:
+                      reply: wire.RangeResult) -> int:
         """Reads the widened range [start, start + length): the requested bytes into
-        the pieces of the client's mapping, the widening into scratch; verifies all."""
+        the pieces of the client's mapping, the widening into scratch; verifies all.
+        Returns the bytes read and verified (0: the range failed)."""
         if any(off + n > len(view) for off, n in pieces):
             _fail_range(reply, 3, "a piece lies outside the registered shared buffer")
-            return
+            return 0
         if p.length != sum(n for _, n in pieces):
             _fail_range(reply, 3, f"pieces hold {sum(n for _, n in pieces)} bytes, the range {p.length}")
-            return
+            return 0
         fd = self.store.slots.fds(p.rec.slot).fd_io
         head, tail = p.offset - start, start + length - p.offset - p.length
         direct = self.store.io_mode == "direct"
@@ -336,6 +355,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 log.error("data port: %s; not served", reply.message)
             else:
                 self.store.count_read(length)
+                return length
+            return 0
         finally:
             self.store.put_buffer(scratch)
 
@@ -360,15 +381,17 @@ class DataServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], store: ChunkStore, request_timeout: float = 10.0,
-                 peer_connections: int = 64, cluster_key: bytes | None = None):
+    def __init__(self, address: tuple[str, int], store: ChunkStore, reads: dict[str, TransportReads],
+                 request_timeout: float = 10.0, peer_connections: int = 64, cluster_key: bytes | None = None):
         self.store = store
+        self.reads = reads  # by transport (metrics.TRANSPORTS)
         self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
         self.peer_connections = peer_connections
         self.pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="shm-read")
         self._open: dict[socket.socket, str] = {}  # connection -> its peer's host
         self._per_peer: dict[str, int] = {}
+        self.refused = 0  # connections turned away by the limits
         self._lock = threading.Lock()
         self.local: LocalDataServer | None = None
         super().__init__(address, _Handler)
@@ -382,10 +405,12 @@ class DataServer(socketserver.ThreadingTCPServer):
         with self._lock:
             if len(self._open) >= MAX_CONNECTIONS:
                 log.warning("data port: refusing %s: %d connections open", peer, len(self._open))
+                self.refused += 1
                 return False
             if self._per_peer.get(peer, 0) >= self.peer_connections:
                 log.warning("data port: refusing another connection from %s: it holds %d already "
                             "(data_peer_connections)", peer, self._per_peer[peer])
+                self.refused += 1
                 return False
             self._open[request] = peer
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
@@ -402,6 +427,12 @@ class DataServer(socketserver.ThreadingTCPServer):
                 self._per_peer[peer] -= 1
                 if not self._per_peer[peer]:
                     del self._per_peer[peer]
+
+    def connections(self) -> tuple[int, int]:
+        """Connections open now: (over TCP, on the local socket)."""
+        with self._lock:
+            local = sum(s.family == socket.AF_UNIX for s in self._open)
+            return len(self._open) - local, local
 
     @property
     def address(self) -> str:
@@ -442,7 +473,7 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
 
     def __init__(self, name: str, port: DataServer):
         self.port = port
-        self.store, self.cluster_key, self.pool = port.store, port.cluster_key, port.pool
+        self.store, self.cluster_key, self.pool, self.reads = port.store, port.cluster_key, port.pool, port.reads
         self.request_timeout = port.request_timeout
         super().__init__(name, _Handler)
 
@@ -454,10 +485,11 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         super().shutdown_request(request)
 
 
-def start_data_server(listen: str, store: ChunkStore, request_timeout: float = 10.0,
-                      peer_connections: int = 64, cluster_key: bytes | None = None) -> DataServer:
+def start_data_server(listen: str, store: ChunkStore, reads: dict[str, TransportReads],
+                      request_timeout: float = 10.0, peer_connections: int = 64,
+                      cluster_key: bytes | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store, request_timeout, peer_connections, cluster_key)
+    server = DataServer((host, int(port)), store, reads, request_timeout, peer_connections, cluster_key)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
     log.info("data port serving on %s (%s reads)", server.address,
              "sendfile" if store.io_mode == "buffered" else "io_uring")

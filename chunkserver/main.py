@@ -7,15 +7,17 @@ import logging
 import sys
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
 from kvfs.proto import chunk_pb2_grpc
-from kvfs.serving import (bound_address, cluster_key, credentials, grpc_server, run_server, until_signalled,
-                          watch_event_loop, write_ready_file)
+from kvfs.serving import (MetricsServer, bound_address, cluster_key, credentials, grpc_server, run_server,
+                          until_signalled, watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
 from .dataport import start_data_server
 from .membership import heartbeat_forever
+from .metrics import ChunkMetrics, StoreCollector
 from .scrub import Scrubber
 from .service import ChunkServicer
 from .store import ChunkStore
@@ -30,8 +32,10 @@ async def serve(cfg: ChunkserverConfig) -> None:
                          f"metaserver accepts it only as that id (issue one for {cfg.id!r} or pass --id)")
     key = cluster_key(cfg, f"chunkserver {cfg.id}")
     store = ChunkStore(cfg)
+    registry = CollectorRegistry()
+    metrics = ChunkMetrics(registry)
     host = cfg.listen.rsplit(":", 1)[0]
-    data = (start_data_server(cfg.data_listen or f"{host}:0", store, cfg.data_request_timeout,
+    data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics.reads, cfg.data_request_timeout,
                               cfg.data_peer_connections, key) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
@@ -40,21 +44,27 @@ async def serve(cfg: ChunkserverConfig) -> None:
     data_address = f"{advertised.rsplit(':', 1)[0]}:{data.address.rsplit(':', 1)[1]}" if data else ""
     if data:
         data.listen_local(data_address)  # same-host clients: shared memory, passed by descriptor
-    servicer = ChunkServicer(store, data_address, creds, key)
+    servicer = ChunkServicer(store, metrics, data_address, creds, key)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
+    scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
+    metrics_server = None
+    if cfg.metrics_listen:  # before serving: a port taken stops the server before any call reaches it
+        registry.register(StoreCollector(store, scrubber, data))
+        ProcessCollector(registry=registry)
+        metrics_server = MetricsServer(cfg.metrics_listen, registry)
+        log.info("metrics on http://%s/metrics", metrics_server.address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("kvfs.chunk.ChunkService", health_pb2.HealthCheckResponse.SERVING)
     log.info("chunkserver %s (%s) serving on %s (data port %s): data %s, capacity %d bytes, %s reads, %s mode",
              cfg.id, cfg.failure_domain, address, data_address or "off", cfg.data_dir, cfg.capacity,
              store.reader.name, store.io_mode)
-    write_ready_file(cfg.ready_file, address)
+    write_ready_file(cfg.ready_file, address, metrics_server.address if metrics_server else "")
     beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds))
              if cfg.meta else None)
-    # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
-    scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
     scrubbing = asyncio.create_task(scrubber.run_forever())
     watching = asyncio.create_task(watch_event_loop(log))
     await until_signalled()
@@ -66,6 +76,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     await scrubbing
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2)
+    if metrics_server:
+        metrics_server.close()
     await servicer.close()  # channels CopyChunk opened to other chunkservers
     if data:
         data.shutdown()

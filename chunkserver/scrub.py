@@ -65,6 +65,8 @@ class Scrubber:
         self.interval = interval
         self.remove = remove
         self.piece = piece
+        self.current = PassResult()  # the pass under way, or the last one (what a scrape reports)
+        self.last_pass_end = 0.0  # time.time() when the last full pass ended; 0: none yet
         self._wake = asyncio.Event()
         self._stopping = False
 
@@ -105,6 +107,7 @@ class Scrubber:
     async def scrub_pass(self) -> PassResult:
         """Verifies every chunk in the index once, at the paced rate."""
         result, started, after = PassResult(), time.monotonic(), b""
+        self.current = result
         while not self._stopping:
             page, after = self.store.list(after, LIST_PAGE)
             for chunk_id, rec in page:
@@ -122,6 +125,7 @@ class Scrubber:
         if self._stopping:
             return result
         self.store.counters.scrub_passes += 1
+        self.last_pass_end = time.time()
         log.log(logging.WARNING if result.corrupt or result.unreadable else logging.INFO,
                 "scrub pass on %s: %d chunks, %d bytes verified in %.1fs; %d corrupt, %d unreadable",
                 self.store.cfg.id, result.chunks, result.bytes, result.seconds, result.corrupt, result.unreadable)

@@ -13,6 +13,7 @@ from kvfs.grants import owner_sealed, parse_owner, require_read_grant
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
+from .metrics import ChunkMetrics
 from .store import ChunkStore, short_id
 
 DEFAULT_PAGE = 1000
@@ -21,9 +22,11 @@ COPY_TIMEOUT = 60
 
 
 class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
-    def __init__(self, store: ChunkStore, data_address: str = "", creds: tls.Credentials | None = None,
-                 cluster_key: bytes | None = None):
+    def __init__(self, store: ChunkStore, metrics: ChunkMetrics, data_address: str = "",
+                 creds: tls.Credentials | None = None, cluster_key: bytes | None = None):
         self.store = store
+        self.reads = metrics.reads["grpc"]
+        self.write_seconds = metrics.write_seconds
         self.creds = creds  # presented to CopyChunk sources
         self.cluster_key = cluster_key  # checks write grants, seals receipts; None: --insecure, neither
         self.data_address = data_address
@@ -39,6 +42,10 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
 
     @handles_errors
     async def WriteChunk(self, request_iterator, context):
+        with self.write_seconds.time():  # failed calls too
+            return await self._write_chunk(request_iterator, context)
+
+    async def _write_chunk(self, request_iterator, context) -> chunk_pb2.WriteChunkReply:
         header = None
         pieces: list[bytes] = []
         received = 0
@@ -95,6 +102,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                                    f"with its placement's owner_seal")
 
     async def ReadChunks(self, request, context):
+        arrived = time.perf_counter()
         # A streaming handler cannot use @handles_errors's return path: errors abort here.
         try:
             namespace = self._granted(request.read_grant, context)
@@ -102,11 +110,15 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                                             namespace=namespace)
         except KvfsError as err:
             self.on_error(err)
+            self.reads.served(0, time.perf_counter() - arrived)
             await abort(context, "ReadChunks", err)
+        nbytes = 0
         for i, r in enumerate(results):
+            nbytes += len(r.data)
             yield chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
                                         chunk_length=r.length, chunk_checksum=r.checksum, index=i,
                                         block_checksums=r.blocks)
+        self.reads.served(nbytes, time.perf_counter() - arrived)
 
     @handles_errors
     async def DeleteChunks(self, request, context):

@@ -102,6 +102,10 @@ class SlotAllocator:
         self.used_slots[cls] = self.used_slots.get(cls, 0) + 1
         return ref
 
+    def usage(self) -> dict[int, tuple[int, int]]:
+        """Slots per size class: {class bytes: (in use, existing)}."""
+        return {cls: (self.used_slots.get(cls, 0), sum(files)) for cls, files in self._files.items()}
+
     def free(self, ref: SlotRef) -> None:
         self._used.remove(ref)
         self.used_slots[ref.cls] -= 1
@@ -170,6 +174,11 @@ class SlotFiles:
     def free(self, ref: SlotRef) -> None:
         with self._lock:
             self.allocator.free(ref)
+
+    def usage(self) -> dict[int, tuple[int, int]]:
+        """Slots per size class: {class bytes: (in use, existing)}. Any thread."""
+        with self._lock:
+            return self.allocator.usage()
 
     def fds(self, ref: SlotRef) -> _File:
         return self._files[(ref.cls, ref.file)]

@@ -60,6 +60,9 @@ class UringReader:
         self._wakeup = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         L.io_uring_register_eventfd(self._ring, self._completions)
         self._queue: collections.deque[_Batch] = collections.deque()
+        # owned by the reader thread; queue_depth() only takes their len()
+        self._inflight: dict[int, tuple[_Batch, int]] = {}
+        self._waiting: collections.deque[tuple[_Batch, int]] = collections.deque()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="uring-reader", daemon=True)
         self._thread.start()
@@ -75,6 +78,11 @@ class UringReader:
         os.eventfd_write(self._wakeup, 1)
         return fut
 
+    def queue_depth(self) -> tuple[int, int]:
+        """(reads submitted to the ring and not completed, reads waiting for a free
+        entry): the reader thread's own counts, read from any thread without a lock."""
+        return len(self._inflight), len(self._waiting)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -89,8 +97,7 @@ class UringReader:
         sel = selectors.DefaultSelector()
         sel.register(self._completions, selectors.EVENT_READ)
         sel.register(self._wakeup, selectors.EVENT_READ)
-        inflight: dict[int, tuple[_Batch, int]] = {}
-        waiting: collections.deque[tuple[_Batch, int]] = collections.deque()
+        inflight, waiting = self._inflight, self._waiting
         next_id = 0
         try:
             while not (self._closed and not inflight):

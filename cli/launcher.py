@@ -207,8 +207,8 @@ class LocalCluster:
     >>> with LocalCluster("/tmp/kvfs", chunkservers=3, replicas=2) as cluster:
     ...     client = Client(cluster.meta_address, credentials=cluster.worker)
 
-    Mutual TLS from a local CA (see the module's docstring) unless `insecure`. The
-    metaserver serves Prometheus metrics on a free loopback port (`meta.metrics_address`)
+    Mutual TLS from a local CA (see the module's docstring) unless `insecure`. Every
+    server serves Prometheus metrics on a free loopback port (`metrics_address`)
     unless `metrics` is off.
     """
 
@@ -293,14 +293,16 @@ class LocalCluster:
         return self.meta
 
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
-        """(Re)starts chunkserver i on its data folder and, by default, waits until
-        the metaserver sees it live."""
+        """(Re)starts chunkserver i on its data folder (on the same addresses as
+        before if it had them) and, by default, waits until the metaserver sees it live."""
         old = self.chunkservers[i]
         listen = old.address if old else "127.0.0.1:0"
+        extra = ["--meta", self.meta_address, *self.chunk_extra]
+        if self.metrics:
+            extra += ["--metrics-listen", old.metrics_address if old else "127.0.0.1:0"]
         cs = start_chunkserver(self.root / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}",
                                capacity=self.capacity, listen=listen, run_dir=self.root, timeout=timeout,
-                               extra=["--meta", self.meta_address, *self.chunk_extra], env=self.env,
-                               ca=self.ca)
+                               extra=extra, env=self.env, ca=self.ca)
         self.chunkservers[i] = cs
         if wait:
             self.wait_until(lambda st: any(s.id == f"cs-{i}" and s.live and s.heartbeat_age_s < 1

@@ -124,7 +124,7 @@ def _cluster_up(args) -> int:
     try:
         print(f"metaserver {cluster.meta_address} metrics http://{cluster.meta.metrics_address}/metrics", flush=True)
         for i, cs in enumerate(cluster.chunkservers):
-            print(f"chunkserver cs-{i} {cs.address} host-{i}", flush=True)
+            print(f"chunkserver cs-{i} {cs.address} host-{i} metrics http://{cs.metrics_address}/metrics", flush=True)
         tls_dir = str(cluster.ca.folder.resolve()) if cluster.ca else None
         if cluster.ca:
             cluster.worker  # issues worker.pem (any tenant) for this local cluster's workers

@@ -45,6 +45,11 @@ def test_cluster_up_status_down(tmp_path):
         assert lines[0].split()[2:] == ["metrics", f"http://{metrics}/metrics"]
         with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
             assert b'kvfs_meta_servers{state="live"} 2.0' in reply.read()
+        for i, line in enumerate(lines[1:3]):
+            metrics = servers[f"cs-{i}"]["metrics"]
+            assert line.split()[4:] == ["metrics", f"http://{metrics}/metrics"]
+            with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as reply:
+                assert b"kvfs_chunk_chunks 0.0" in reply.read()
         status = subprocess.run([*KVFS, "status", "--data-dir", str(data)], capture_output=True, text=True,
                                 timeout=60)
         assert status.returncode == 0, status.stderr
