@@ -59,14 +59,16 @@ def _status_table(status) -> Table:
 
 def _usage_table(reply) -> Table:
     table = Table(title="kvfs usage per tenant", caption="tokens hit: served from cache; written: committed new "
-                  "(misses written back); GiB-hours: payload stored over time, since metering began")
+                  "(misses written back); stored: payload; of the cache: whole slots per replica (what quotas "
+                  "count); GiB-hours: payload stored over time, since metering began")
     for col in ("tenant", "lookups", "blocks hit", "hit ratio", "tokens hit", "tokens written", "stored now",
-                "GiB-hours", "since"):
+                "of the cache", "GiB-hours", "since"):
         table.add_column(col, justify="left" if col == "tenant" else "right")
     for u in reply.tenants:
         ratio = f"{u.blocks_hit / u.blocks_requested:.1%}" if u.blocks_requested else "-"
         table.add_row(u.tenant, f"{u.lookups:,}", f"{u.blocks_hit:,}", ratio, f"{u.tokens_hit:,}",
-                      f"{u.tokens_written:,}", _human(u.bytes_stored), f"{u.byte_seconds / 3600 / (1 << 30):,.3f}",
+                      f"{u.tokens_written:,}", _human(u.bytes_stored), _human(u.cache_bytes),
+                      f"{u.byte_seconds / 3600 / (1 << 30):,.3f}",
                       time.strftime("%Y-%m-%d %H:%M", time.gmtime(u.since)))
     return table
 

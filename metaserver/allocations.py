@@ -122,13 +122,18 @@ class Allocations:
         if incoming > room:  # refused before anything is evicted for it
             raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; the cache "
                                     f"holds {room} bytes below its high watermark")
+        tenant = self.blocks.usage.tenant_of(namespace_digest)
+        quota = self.cfg.quota_bytes(tenant, capacity)
+        if quota is not None and incoming > quota:  # refused before anything is evicted for it, too
+            raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; tenant "
+                                    f"{tenant!r} may hold {quota} (tenant_quotas)")
         alloc_id = os.urandom(16)
         self.placing[alloc_id] = (incoming, {namespace_digest + k for k in (parent, *keys) if k})
         placed: list[tuple[ServerState, int]] = []  # pending bytes added, undone if this never finishes
         try:
             yield
             # room first: placement then counts the evicted chunks' space as free
-            yield from make_room(incoming)
+            yield from make_room(incoming, tenant)
             reply = yield from self._place(alloc_id, namespace_digest, keys, present, parent, layout_msg, spans,
                                            placed)
         except BaseException:  # an error, or the call cancelled between steps (GeneratorExit)

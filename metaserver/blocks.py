@@ -24,6 +24,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import xxhash
 from rocksdict import ReadOptions, WriteBatch
 
 from kvfs.errors import InvalidArgument
@@ -34,8 +35,8 @@ from kvfs.proto import meta_pb2
 from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership
-from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT, VICTIM,
-                      Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
+from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT,
+                      TENANT_ID, TENANT_VICTIM, VICTIM, Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
                       reply_tail, row_bound, row_key, u64, victim_key)
 from .usage import Usage
 
@@ -158,12 +159,12 @@ class Slots:
         return lo <= slot < hi
 
 
-def _per_namespace(rows: list[tuple[bytes, Row]]) -> dict[bytes, tuple[int, int]]:
-    """Blocks and payload bytes per namespace."""
-    out: dict[bytes, tuple[int, int]] = {}
+def _per_namespace(rows: list[tuple[bytes, Row]]) -> dict[bytes, tuple[int, int, int]]:
+    """Blocks, payload bytes and footprint per namespace."""
+    out: dict[bytes, tuple[int, int, int]] = {}
     for full, row in rows:
-        n, nbytes = out.get(full[:KEY_BYTES], (0, 0))
-        out[full[:KEY_BYTES]] = (n + 1, nbytes + row.nbytes)
+        n, nbytes, fp = out.get(full[:KEY_BYTES], (0, 0, 0))
+        out[full[:KEY_BYTES]] = (n + 1, nbytes + row.nbytes, fp + row.footprint)
     return out
 
 
@@ -189,6 +190,7 @@ class BlockTable:
         # Each scan starts from its floor instead: no entry sorts below it, as every
         # new entry lowers it (leaf(), expires()).
         self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
+        self.tenant_floors: dict[bytes, bytes] = {}  # the same, per tenant index evicted from
         # Hits since the last flush: full key -> last hit, and full key -> how many. Two
         # maps filled in bulk (C loops) rather than one of tuples updated block by block.
         self.hits: dict[bytes, float] = {}
@@ -246,9 +248,23 @@ class BlockTable:
         return Row.decode(raw) if raw is not None else None
 
     def leaf(self, batch: WriteBatch, victim: bytes) -> None:
-        """Stages an eviction index entry (`victim_key`)."""
+        """Stages an eviction index entry (`victim_key`), and its tenant's copy."""
         batch.put(victim, b"")
         self.victim_floor = min(self.victim_floor, victim)
+        mine = self.tenant_victim(victim)
+        batch.put(mine, b"")
+        tid = mine[: 1 + TENANT_ID]
+        if tid in self.tenant_floors:
+            self.tenant_floors[tid] = min(self.tenant_floors[tid], mine)
+
+    def unleaf(self, batch: WriteBatch, victim: bytes) -> None:
+        """Stages the deletion of an eviction index entry and its tenant's copy."""
+        batch.delete(victim)
+        batch.delete(self.tenant_victim(victim))
+
+    def tenant_victim(self, victim: bytes) -> bytes:
+        """An eviction index entry's copy in its tenant's eviction index."""
+        return TENANT_VICTIM + self.usage.tenant_id(victim[-FULL:][:KEY_BYTES]) + victim[1:]
 
     def expires(self, batch: WriteBatch, expiry: bytes) -> None:
         """Stages an expiry index entry (`expiry_key`)."""
@@ -362,7 +378,7 @@ class BlockTable:
             row.rank = self.ranks.rank(row.hits, last)
             self.expires(batch, expiry_key(last + row.ttl, full))
             if leaf is not None:
-                batch.delete(old_victim)
+                self.unleaf(batch, old_victim)
                 self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
             self.put_row(batch, full, row)
         self.db.write(batch)
@@ -394,7 +410,7 @@ class BlockTable:
                     if prow is not None:
                         self.leaf(batch, victim_key(prow.rank, prow.last_used, prow.depth, old_parent))
             batch.delete(expiry_key(old.last_used + old.ttl, full))
-            batch.delete(victim_key(old.rank, old.last_used, old.depth, full))
+            self.unleaf(batch, victim_key(old.rank, old.last_used, old.depth, full))
             batch.delete(SHORT + full)
             for n in old.servers:
                 batch.delete(replica_key(n, full))
@@ -402,7 +418,7 @@ class BlockTable:
             self.blocks -= 1
             self.payload_bytes -= old.nbytes
             self.cache_bytes -= old.footprint
-            self.usage.stored(full[:KEY_BYTES], -1, -old.nbytes)
+            self.usage.stored(full[:KEY_BYTES], -1, -old.nbytes, -old.footprint)
         # committed parents: a leaf until now leaves the eviction index; depth from its row
         known = [p for p in parents_of_new if p not in fresh]
         depth: dict[bytes, int] = {}
@@ -414,7 +430,7 @@ class BlockTable:
             depth[parent] = prow.depth
             slots.of[parent] = prow.slot
             if not self.db.has_prefix(CHILD + parent):
-                batch.delete(victim_key(prow.rank, prow.last_used, prow.depth, parent))
+                self.unleaf(batch, victim_key(prow.rank, prow.last_used, prow.depth, parent))
         remembered = self.ranks.remembered([f for f, _ in new])
         consumed = set()
         for (full, row), ghost in zip(new, remembered):
@@ -446,8 +462,8 @@ class BlockTable:
             self.blocks += 1
             self.payload_bytes += row.nbytes
             self.cache_bytes += row.footprint
-        for ns, (n, nbytes) in _per_namespace(new).items():
-            self.usage.stored(ns, n, nbytes)
+        for ns, (n, nbytes, fp) in _per_namespace(new).items():
+            self.usage.stored(ns, n, nbytes, fp)
         self._trim_ghosts(batch, consumed)
         self._counters(batch)
         return garbage
@@ -480,7 +496,7 @@ class BlockTable:
         b.delete(BLOCK + full)
         b.delete(row_key(full[:KEY_BYTES], row.slot))
         b.delete(expiry_key(row.last_used + row.ttl, full))
-        b.delete(victim_key(row.rank, row.last_used, row.depth, full))
+        self.unleaf(b, victim_key(row.rank, row.last_used, row.depth, full))
         b.delete(SHORT + full)
         for n in row.servers:
             b.delete(replica_key(n, full))
@@ -489,7 +505,7 @@ class BlockTable:
         self.blocks -= 1
         self.payload_bytes -= row.nbytes
         self.cache_bytes -= row.footprint
-        self.usage.stored(full[:KEY_BYTES], -1, -row.nbytes)
+        self.usage.stored(full[:KEY_BYTES], -1, -row.nbytes, -row.footprint)
         if stranding and self.db.has_prefix(CHILD + full):
             self.stranded.append(full)
         if not row.parent:
@@ -565,36 +581,51 @@ class BlockTable:
         self.expired += len(staged.removed)
         return staged.chunks
 
-    def evict(self, nbytes: int, pinned: set[bytes], limit: int) -> tuple[int, list[meta_pb2.StoredChunk]]:
+    def evict(self, nbytes: int, pinned: set[bytes], limit: int,
+              tenant: str | None = None) -> tuple[int, list[meta_pb2.StoredChunk]]:
         """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
         are freed or `limit` blocks went. Blocks in `pinned`, their ancestors and
-        blocks hit since the last flush stay. Returns (blocks, their chunks)."""
+        blocks hit since the last flush stay. With `tenant`, only that tenant's
+        blocks go, taken from its own index. Returns (blocks, their chunks)."""
         staged = Staged()
-        freed, cursor, exhausted = 0, self.victim_floor, False
+        index = VICTIM if tenant is None else TENANT_VICTIM + xxhash.xxh64_digest(tenant.encode())
+        floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
+        freed, cursor, exhausted = 0, floor, False
         heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves
+        became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         while freed < nbytes and len(staged.removed) < limit:
             if not exhausted and (not heap or heap[0] >= cursor):
-                scanned = [k for k, _ in self.db.scan(VICTIM, start=cursor, limit=256)]
+                scanned = [k for k, _ in self.db.scan(index, start=cursor, limit=256)]
                 exhausted = len(scanned) < 256
                 if scanned:
-                    if cursor == self.victim_floor:
-                        self.victim_floor = scanned[0]  # what lies below is deleted entries only
+                    if cursor == floor:  # what lies below is deleted entries only
+                        floor = scanned[0]
+                        if tenant is None:
+                            self.victim_floor = floor
+                        else:
+                            self.tenant_floors[index] = floor
                     cursor = scanned[-1] + b"\x00"
                 for k in scanned:
                     heapq.heappush(heap, k)
             if not heap:
                 break
-            vkey = heapq.heappop(heap)
+            key = heapq.heappop(heap)
+            vkey = key if tenant is None else VICTIM + key[len(index) :]
             full = vkey[-FULL:]
             if full in pinned or full in self.hits or full in staged.removed:
                 continue
+            if tenant is not None and self.usage.tenant_of(full[:KEY_BYTES]) != tenant:
+                continue  # another tenant whose name hashes alike: not ours to evict
             row = self.row(full)
-            if row is None:
-                staged.batch.delete(vkey)  # a stale entry
+            # a tenant's copy must have its entry in the main index: a leaf still (copies can outlive
+            # their entries where a namespace's tenant became known after its blocks were cached)
+            if row is None or (tenant is not None and vkey not in became and self.db.get(vkey) is None):
+                self.unleaf(staged.batch, vkey)  # a stale entry
                 continue
             leaf = self.remove(staged, full, row, stranding=False)
             if leaf is not None:
-                heapq.heappush(heap, leaf)
+                became.add(leaf)
+                heapq.heappush(heap, leaf if tenant is None else self.tenant_victim(leaf))
             self.ranks.evicted(staged.batch, full, row, self)
             freed += row.footprint
         self.write(staged)

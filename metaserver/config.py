@@ -4,9 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfs.config import KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, size_field
+from kvfs.config import (KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, parse_size,
+                         size_field)
 
 from .eviction import DEFAULT_POLICY, POLICIES
+
+
+def parse_quotas(text: str) -> dict[str, tuple[int, float]]:
+    """'acme=2TiB,*=25%' -> {'acme': (2 TiB, 0.0), '*': (0, 0.25)}: per tenant a size,
+    or a share of the cache's capacity."""
+    quotas: dict[str, tuple[int, float]] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, value = part.partition("=")
+        tenant, value = tenant.strip(), value.strip()
+        if not sep or not tenant or not value:
+            raise ValueError(f"tenant_quotas: {part!r} is not tenant=SIZE or tenant=PERCENT%")
+        if value.endswith("%"):
+            share = float(value[:-1]) / 100
+            if not 0 < share <= 1:
+                raise ValueError(f"tenant_quotas: {part!r}: a share must be over 0% and at most 100%")
+            quotas[tenant] = (0, share)
+        else:
+            try:
+                quotas[tenant] = (parse_size(value), 0.0)
+            except ValueError as err:
+                raise ValueError(f"tenant_quotas: {part!r}: {err}") from None
+            if quotas[tenant][0] <= 0:
+                raise ValueError(f"tenant_quotas: {part!r}: a size must be positive")
+    return quotas
 
 
 def parse_ttl_classes(text: str) -> dict[str, float]:
@@ -51,6 +76,11 @@ class MetaserverConfig:
     max_request_bytes: int = size_field(64 * MiB, "largest gRPC request the metaserver reads; a larger one is "
                                         "refused (RESOURCE_EXHAUSTED) before it is read. The largest real one, a "
                                         "CommitBlocks of max_keys MLA blocks, is about 25 MB")
+    tenant_quotas: str = option("", "most payload bytes one tenant's cached blocks may hold, as tenant=SIZE or "
+                                "tenant=PERCENT% of the cache capacity, comma-separated, * for every tenant not "
+                                "named; empty: none. A write past it evicts the tenant's own blocks, lowest "
+                                "rank first, down to evict_low of its quota; one larger than the quota is "
+                                "refused")
     usage_max_tenants: int = option(10_000, "tenants metered one by one (kvfs usage); past it, new tenants are "
                                     "metered together as \"(other)\"")
     max_layers: int = option(1024, "most layers in the block layout of an AllocateBlocks")
@@ -80,6 +110,7 @@ class MetaserverConfig:
     def __post_init__(self) -> None:
         check_choices(self)
         check_listen("metrics_listen", self.metrics_listen)
+        parse_quotas(self.tenant_quotas)
         classes = parse_ttl_classes(self.ttl_classes)
         if self.default_ttl_class not in classes:
             raise ValueError(f"default_ttl_class {self.default_ttl_class!r} is not one of "
@@ -95,3 +126,10 @@ class MetaserverConfig:
     @property
     def ttls(self) -> dict[str, float]:
         return parse_ttl_classes(self.ttl_classes)
+
+    def quota_bytes(self, tenant: str, capacity: int) -> int | None:
+        """The most payload bytes `tenant`'s blocks may hold (None: no quota), given
+        the cache's capacity in bytes."""
+        quotas = parse_quotas(self.tenant_quotas)  # a few names: cheaper to parse than to cache (frozen)
+        size, share = quotas.get(tenant) or quotas.get("*") or (0, 0.0)
+        return size or (int(share * capacity) if share else None)

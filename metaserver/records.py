@@ -9,6 +9,7 @@ range scan that starts where the work is:
     c ns parent child         -> b""   children of a block: leaves, descendants
     x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
     v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
+    w tenant rank last depth ns key -> b""   the same, per tenant (an 8-byte hash of its name): quotas
     r server ns key           -> b""   blocks with a copy of some chunk on a server
     u ns key                  -> b""   blocks known short of copies (repair's queue)
     g ns key                  -> hits  ghost: hit counts of evicted blocks (LFU-DA)
@@ -48,7 +49,8 @@ FULL = 2 * KEY_BYTES  # namespace digest + block key
 BLOCK, ROW, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"l", b"c", b"x", b"v", b"r", b"u"
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
-NAMESPACE, USAGE = b"n", b"p"
+NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
+TENANT_ID = 8  # bytes of a tenant's id in TENANT_VICTIM keys (usage.Usage.tenant_id)
 
 FORMAT = 4  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from rocksdict import WriteBatch
 
 from kvfs.config import MiB
-from kvfs.errors import InvalidArgument
+from kvfs.errors import InvalidArgument, ResourceExhausted
 from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.proto import meta_pb2
 
@@ -190,8 +190,11 @@ class MetaState:
         total = self.blocks.cache_bytes + self.allocations.incoming_bytes() + incoming
         return bool(capacity) and total > self.cfg.evict_high * capacity
 
-    def make_room_steps(self, incoming: int, limit: int = EVICT_INLINE):
-        """Evicts if cached blocks, open allocations and `incoming` bytes would pass the
+    def make_room_steps(self, incoming: int, tenant: str = "", limit: int = EVICT_INLINE):
+        """Makes room for a write of `incoming` bytes of cache by `tenant`: within its
+        quota first (tenant_room_steps), then in the cache.
+
+        Evicts if cached blocks, open allocations and `incoming` bytes would pass the
         high watermark: leaves, lowest rank first, `incoming` bytes' worth, what the
         write brings and no more (past the high mark the disks may be full, and the
         new chunks must find room in the space this frees), at most `limit` blocks,
@@ -200,6 +203,8 @@ class MetaState:
         allocations' blocks, and all their ancestors stay. A generator (yields between slices); returns
         blocks evicted. Their chunks go to the delete queue. `incoming` is counted among
         the allocations being placed already (Allocations.placing)."""
+        if tenant:
+            yield from self.tenant_room_steps(tenant, incoming, limit)
         if not self.over_high():
             return 0
         self.evicting = True
@@ -221,6 +226,38 @@ class MetaState:
                 "%.1f MiB being written", self.cfg.eviction_policy, evicted, freed / MiB, incoming / MiB,
                 100 * before / capacity, 100 * self.blocks.cache_bytes / capacity, capacity / MiB,
                 (incoming + self.allocations.incoming_bytes()) / MiB)
+        return evicted
+
+    def tenant_room_steps(self, tenant: str, incoming: int, limit: int = EVICT_INLINE):
+        """When `tenant`'s blocks and a write of `incoming` bytes of cache would pass its
+        quota, evicts the tenant's own blocks, lowest rank first, down to evict_low of
+        the quota (so that the next writes find room), at most `limit` of them,
+        EVICT_SLICE a step, never another tenant's. ResourceExhausted if the write
+        still does not fit (its blocks are all in use: pinned, or hit in the last
+        second). A generator (yields between slices); returns blocks evicted."""
+        quota = self.cfg.quota_bytes(tenant, self.capacity_bytes())
+        record = self.blocks.usage.record_of(tenant)
+        held = record.cache_bytes if record is not None else 0
+        if quota is None or record is None or held + incoming <= quota:  # (a write over the quota was refused)
+            return 0
+        need = held + incoming - int(self.cfg.evict_low * quota)
+        evicted = 0
+        while evicted < limit and held - record.cache_bytes < need:
+            if evicted:
+                yield
+            step = min(EVICT_SLICE, limit - evicted)
+            n, chunks = self.blocks.evict(need - (held - record.cache_bytes), self.allocations.pinned(), step,
+                                          tenant=tenant)
+            self.queue_deletes(chunks)
+            evicted += n
+            if n < step:
+                break
+        log.info("tenant %r over its quota of %.1f MiB: evicted %d of its blocks, %.1f MiB, for a write of %.1f MiB",
+                 tenant, quota / MiB, evicted, (held - record.cache_bytes) / MiB, incoming / MiB)
+        if record.cache_bytes + incoming > quota:
+            raise ResourceExhausted(f"tenant {tenant!r} holds {record.cache_bytes} bytes of its {quota}-byte quota "
+                                    f"(tenant_quotas) and no more of its blocks can be evicted now (in use by "
+                                    f"writes in flight, or hit in the last second); try again")
         return evicted
 
     def _evict(self, need: int, pinned: set[bytes], limit: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import xxhash
 from rocksdict import WriteBatch
 
 from kvfs.proto import meta_pb2
@@ -64,6 +65,15 @@ class Usage:
             self._remember(namespace_digest, tenant)
         return tenant
 
+    def tenant_id(self, namespace_digest: bytes) -> bytes:
+        """8 bytes naming the namespace's tenant in keys (records.py `w`)."""
+        return xxhash.xxh64_digest(self.tenant_of(namespace_digest).encode())
+
+    def record_of(self, tenant: str) -> meta_pb2.TenantUsage | None:
+        """The record `tenant`'s figures go to: its own, or "(other)" past the bound."""
+        return self.tenants.get(tenant) or (self.tenants.get(OTHER) if len(self.tenants) >= self.max_tenants
+                                            else None)
+
     def _remember(self, namespace_digest: bytes, tenant: str) -> None:
         if len(self._tenant_of) >= MAX_CACHED_NAMESPACES:
             self._tenant_of.clear()
@@ -95,13 +105,15 @@ class Usage:
         u.tokens_written += blocks * block_tokens
         u.bytes_written += blocks * block_bytes
 
-    def stored(self, namespace_digest: bytes, blocks: int, nbytes: int) -> None:
-        """Blocks added (positive) or removed (negative) from the cache."""
+    def stored(self, namespace_digest: bytes, blocks: int, nbytes: int, footprint: int) -> None:
+        """Blocks added (positive) or removed (negative) from the cache: their
+        payload bytes and their footprint."""
         u = self._entry(self.tenant_of(namespace_digest))
         _accrue(u, self.clock())
         # a block stored before metering began was never added: removing it stops at zero
         u.blocks_stored = max(0, u.blocks_stored + blocks)
         u.bytes_stored = max(0, u.bytes_stored + nbytes)
+        u.cache_bytes = max(0, u.cache_bytes + footprint)
 
     # ---- persistence and reports ---------------------------------------------
 

@@ -145,8 +145,9 @@ def assert_metadata_consistent(state):
     children = {(p, f) for f, p in parent.items()}
     assert keys_under(state, records.CHILD) == {records.child_key(p, f) for p, f in children}
     leaves = set(stored) - set(parent.values())
-    assert keys_under(state, records.VICTIM) == {records.victim_key(r.rank, r.last_used, r.depth, f)
-                                                 for f, r in stored.items() if f in leaves}
+    victims = {records.victim_key(r.rank, r.last_used, r.depth, f) for f, r in stored.items() if f in leaves}
+    assert keys_under(state, records.VICTIM) == victims
+    assert keys_under(state, records.TENANT_VICTIM) == {state.blocks.tenant_victim(v) for v in victims}
     assert keys_under(state, records.EXPIRY) == {records.expiry_key(r.last_used + r.ttl, f)
                                                  for f, r in stored.items()}
     assert keys_under(state, records.REPLICA) == {records.replica_key(n, f) for f, r in stored.items()

@@ -311,7 +311,7 @@ class UsageReply(_message.Message):
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., at: _Optional[float] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
-    __slots__ = ("tenant", "lookups", "blocks_requested", "blocks_hit", "tokens_hit", "bytes_hit", "blocks_written", "tokens_written", "bytes_written", "blocks_stored", "bytes_stored", "byte_seconds", "since", "as_of")
+    __slots__ = ("tenant", "lookups", "blocks_requested", "blocks_hit", "tokens_hit", "bytes_hit", "blocks_written", "tokens_written", "bytes_written", "blocks_stored", "bytes_stored", "byte_seconds", "since", "as_of", "cache_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class TenantUsage(_message.Message):
     BYTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     AS_OF_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     lookups: int
     blocks_requested: int
@@ -340,7 +341,8 @@ class TenantUsage(_message.Message):
     byte_seconds: float
     since: float
     as_of: float
-    def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ...) -> None: ...
+    cache_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class LoopStalls(_message.Message):
     __slots__ = ("over_s", "count", "busy_count")

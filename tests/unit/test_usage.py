@@ -43,7 +43,7 @@ def test_each_tenant_is_metered_for_its_lookups_writes_and_storage_over_time(mak
     a, b = got[A.tenant], got[B.tenant]
     assert (a.blocks_written, a.tokens_written, a.bytes_written) == (8, 32, 8 * BLOCK_BYTES)
     assert (a.lookups, a.blocks_requested, a.blocks_hit, a.tokens_hit, a.bytes_hit) == (2, 11, 8, 32, 8 * BLOCK_BYTES)
-    assert (a.blocks_stored, a.bytes_stored) == (8, 8 * BLOCK_BYTES)
+    assert (a.blocks_stored, a.bytes_stored, a.cache_bytes) == (8, 8 * BLOCK_BYTES, 8 * (64 << 10))
     assert a.byte_seconds == 8 * BLOCK_BYTES * 100 and a.as_of == clock.now
     assert (b.blocks_written, b.blocks_stored, b.lookups, b.byte_seconds) == (4, 4, 0, 4 * BLOCK_BYTES * 100)
     assert set(usage(state, B.tenant)) == {B.tenant}
@@ -60,7 +60,7 @@ def test_storage_leaves_the_bill_with_the_blocks_and_the_records_survive_a_resta
     state.expire_blocks()  # A's first block; its descendants after it
     state.drain_stranded()
     a = usage(state)[A.tenant]
-    assert (a.blocks_stored, a.bytes_stored, a.blocks_written) == (0, 0, 4)
+    assert (a.blocks_stored, a.bytes_stored, a.cache_bytes, a.blocks_written) == (0, 0, 0, 4)
     assert a.byte_seconds == 4 * BLOCK_BYTES * 11  # stored for 11 s, then nothing
     state.close()  # writes what lookups changed since the last block write
 
