@@ -34,6 +34,9 @@ class ChunkserverConfig:
     data_request_timeout: float = duration_field(10.0, "a data-port request must arrive whole, header and body, "
                                                  "within this long of its first byte, or its connection is closed")
     data_peer_connections: int = option(64, "most data-port connections one client host may hold open (of 256)")
+    tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
+                                       "port and gRPC; the read grant names the tenant), in bursts of up to a "
+                                       "second's worth: past it, that tenant's reads wait; 0: unpaced")
     meta: str = option("", "metaserver host:port to register with (empty: standalone)")
     advertise: str = option("", "address clients use to reach this server (default: the bound one)")
     tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "

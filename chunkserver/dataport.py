@@ -242,8 +242,9 @@ class _Handler(socketserver.BaseRequestHandler):
         reads = self.shm_reads if shm else self.reads
         key = self.server.cluster_key  # the data port knows no caller: with a key, every read needs its grant
         try:
-            namespace = require_read_grant(key, grant, time.time()) if key is not None else None
-            results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges], namespace)
+            granted = require_read_grant(key, grant, time.time()) if key is not None else None
+            results, plan = self.store.plan_reads([(r.chunk_id, r.offset, r.length) for r in ranges],
+                                                  granted.namespace if granted else None)
         except KvfsError as err:
             if isinstance(err, PermissionDenied):
                 self.store.counters.rejected_requests += 1
@@ -258,6 +259,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 start, length = wire.widen(p.offset, p.length, p.rec.length)
                 replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, tuple(p.rec.blocks))
                 served.append((p, start, length))
+            if granted is not None:  # its tenant's pace: only this connection waits
+                time.sleep(self.store.pacer.delay(granted.tenant, sum(length for _, _, length in served)))
             if shm:
                 nbytes = self._read_into_shm(header, ranges, replies, served)
             elif self.store.io_mode == "buffered":

@@ -50,6 +50,8 @@ COUNTERS = (  # metric (the exposition adds _total), Counters field, help
     ("kvfs_chunk_scrub_passes", "scrub_passes", "full scrub passes completed"),
     ("kvfs_chunk_corrupt_chunks_removed", "corrupt_chunks_removed", "chunks removed as corrupt (reported lost to "
                                                                     "the metaserver, which copies them back)"),
+    ("kvfs_chunk_reads_paced", "reads_paced", "reads that waited for their tenant's pace (tenant_read_rate)"),
+    ("kvfs_chunk_paced_seconds", "paced_seconds", "how long paced reads waited, in all"),
 )
 
 

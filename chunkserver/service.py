@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -9,7 +10,7 @@ import grpc
 from kvfs import tls
 from kvfs.auth import caller_of
 from kvfs.errors import DataLoss, InvalidArgument, KvfsError, PermissionDenied, from_code, from_rpc_error
-from kvfs.grants import owner_sealed, parse_owner, require_read_grant
+from kvfs.grants import granted, owner_sealed, parse_owner, require_read_grant
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
@@ -86,9 +87,17 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         caller = caller_of(context)
         return caller is None or not caller.roles & {tls.ADMIN, tls.SERVER}
 
-    def _granted(self, grant: bytes, context) -> bytes | None:
-        """The namespace a worker's read grant lets it read (None: no check)."""
-        return require_read_grant(self.cluster_key, grant, time.time()) if self._asks_grants(context) else None
+    def _granted(self, grant: bytes, context) -> tuple[bytes | None, bytes]:
+        """The namespace a read may touch (None: any; a worker must show a grant for
+        one) and the tenant whose pace it keeps (b"": none; an admin's or a server's
+        read is paced only by a grant it brings)."""
+        if self.cluster_key is None:
+            return None, b""
+        if self._asks_grants(context):
+            shown = require_read_grant(self.cluster_key, grant, time.time())
+            return shown.namespace, shown.tenant
+        shown = granted(self.cluster_key, grant, time.time())
+        return None, shown.tenant if shown else b""
 
     def _check_grant(self, header: chunk_pb2.ChunkHeader, context) -> None:
         """A worker writes a chunk only under the owner record the metaserver sealed
@@ -105,16 +114,17 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         arrived = time.perf_counter()
         # A streaming handler cannot use @handles_errors's return path: errors abort here.
         try:
-            namespace = self._granted(request.read_grant, context)
+            namespace, tenant = self._granted(request.read_grant, context)
             results = await self.store.read([(r.chunk_id, r.offset, r.length) for r in request.ranges],
                                             namespace=namespace)
         except KvfsError as err:
             self.on_error(err)
             self.reads.served(0, time.perf_counter() - arrived)
             await abort(context, "ReadChunks", err)
-        nbytes = 0
+        nbytes = sum(len(r.data) for r in results)
+        # the tenant's pace: charged once the size is known, before the bytes go out
+        await asyncio.sleep(self.store.pacer.delay(tenant, nbytes))
         for i, r in enumerate(results):
-            nbytes += len(r.data)
             yield chunk_pb2.RangeResult(code=r.code.value[0], message=r.message, data=r.data,
                                         chunk_length=r.length, chunk_checksum=r.checksum, index=i,
                                         block_checksums=r.blocks)
@@ -172,5 +182,9 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                 reads=c.reads, read_bytes=c.read_bytes, writes=c.writes, write_bytes=c.write_bytes,
                 deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests,
                 scrubbed_bytes=c.scrubbed_bytes, scrub_passes=c.scrub_passes,
-                corrupt_chunks_removed=c.corrupt_chunks_removed),
+                corrupt_chunks_removed=c.corrupt_chunks_removed, reads_paced=c.reads_paced,
+                paced_seconds=c.paced_seconds),
+            tenant_reads=[chunk_pb2.TenantReadStats(tenant_id=t, reads=s.reads, bytes=s.bytes, reads_paced=s.paced,
+                                                    paced_seconds=s.paced_seconds)
+                          for t, s in self.store.pacer.snapshot()],
             **self.store.stat())

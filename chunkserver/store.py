@@ -42,6 +42,7 @@ from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, Reso
 from kvfs.grants import owner_namespace
 
 from .config import ChunkserverConfig
+from .pacing import ReadPacer
 from .slots import SlotFiles, SlotRef, probe_direct
 from .uring import open_reader, settle
 
@@ -113,6 +114,8 @@ class Counters:
     scrubbed_bytes: int = 0
     scrub_passes: int = 0
     corrupt_chunks_removed: int = 0
+    reads_paced: int = 0  # reads that waited for their tenant's pace (pacing.py)
+    paced_seconds: float = 0.0  # how long, in all
 
 
 @dataclass(slots=True)
@@ -230,6 +233,7 @@ class ChunkStore:
         opts.create_if_missing(True)
         self._db = Rdict(str(root / "index"), opts)
         self.counters = Counters()
+        self.pacer = ReadPacer(cfg.tenant_read_rate, self.counters)
         self.chunk_count = 0
         self.used_bytes = 0
         self._recover()

@@ -9,16 +9,20 @@ the metaserver sealed for that chunk id, and a rebuild takes from the servers'
 inventories only sealed records.
 
 Reading. With each lookup the metaserver mints a read grant for the caller's
-namespace, good until an expiry: the namespace digest, the expiry, and their
-seal (READ_GRANT_BYTES in all). A chunkserver serves a worker's read of a chunk
-only with a valid grant for the namespace the chunk's owner record names.
+namespace, good until an expiry: the namespace digest, its tenant's id (an
+8-byte hash of the name: chunkservers pace each tenant's reads by it), the
+expiry, and their seal (READ_GRANT_BYTES in all). A chunkserver serves a
+worker's read of a chunk only with a valid grant for the namespace the chunk's
+owner record names.
 """
 
 from __future__ import annotations
 
 import hmac
 import struct
+from typing import NamedTuple
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from kvfs import tls
@@ -62,33 +66,46 @@ def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:
         return None
 
 
-READ_GRANT_BYTES = KEY_BYTES + 8 + tls.SEAL_BYTES
+TENANT_ID_BYTES = 8
+READ_GRANT_BYTES = KEY_BYTES + TENANT_ID_BYTES + 8 + tls.SEAL_BYTES
 
 
-def read_grant(key: bytes, namespace_digest: bytes, expires_at: float) -> bytes:
-    """A grant to read the chunks of one namespace until `expires_at` (unix seconds)."""
-    expires = struct.pack(">Q", int(expires_at))
-    return namespace_digest + expires + tls.seal(key, tls.READ, namespace_digest, expires)
+class ReadGrant(NamedTuple):
+    namespace: bytes  # digest
+    tenant: bytes  # tenant_id() of the namespace's tenant
 
 
-def granted_namespace(key: bytes, grant: bytes, now: float) -> bytes | None:
-    """The namespace a read grant is good for, or None if it is malformed, not sealed
-    with `key`, or expired at `now`."""
+def tenant_id(tenant: str) -> bytes:
+    """The 8 bytes that name a tenant in read grants (and the metaserver's per-tenant
+    eviction index): a hash, so chunkservers never see tenant names."""
+    return xxhash.xxh64_digest(tenant.encode())
+
+
+def read_grant(key: bytes, namespace_digest: bytes, tenant: str, expires_at: float) -> bytes:
+    """A grant to read the chunks of one namespace, `tenant`'s, until `expires_at` (unix seconds)."""
+    tid, expires = tenant_id(tenant), struct.pack(">Q", int(expires_at))
+    return namespace_digest + tid + expires + tls.seal(key, tls.READ, namespace_digest, tid, expires)
+
+
+def granted(key: bytes, grant: bytes, now: float) -> ReadGrant | None:
+    """What a read grant is good for, or None if it is malformed, not sealed with
+    `key`, or expired at `now`."""
     if len(grant) != READ_GRANT_BYTES:
         return None
-    namespace_digest, expires, mac = grant[:KEY_BYTES], grant[KEY_BYTES : KEY_BYTES + 8], grant[KEY_BYTES + 8 :]
-    if not hmac.compare_digest(mac, tls.seal(key, tls.READ, namespace_digest, expires)):
+    at = KEY_BYTES + TENANT_ID_BYTES
+    namespace_digest, tid, expires, mac = grant[:KEY_BYTES], grant[KEY_BYTES:at], grant[at : at + 8], grant[at + 8 :]
+    if not hmac.compare_digest(mac, tls.seal(key, tls.READ, namespace_digest, tid, expires)):
         return None
-    return namespace_digest if now <= struct.unpack(">Q", expires)[0] else None
+    return ReadGrant(namespace_digest, tid) if now <= struct.unpack(">Q", expires)[0] else None
 
 
-def require_read_grant(key: bytes, grant: bytes, now: float) -> bytes:
-    """granted_namespace(), or PERMISSION_DENIED saying what a reader must send."""
-    namespace = granted_namespace(key, grant, now)
-    if namespace is None:
+def require_read_grant(key: bytes, grant: bytes, now: float) -> ReadGrant:
+    """granted(), or PERMISSION_DENIED saying what a reader must send."""
+    good = granted(key, grant, now)
+    if good is None:
         raise PermissionDenied("no valid read grant: a read carries the read_grant of the lookup that found its "
                                "chunks, before it expires (read_grant_ttl); look the prompt up again")
-    return namespace
+    return good
 
 
 def owner_namespace(raw: bytes) -> bytes:

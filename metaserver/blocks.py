@@ -24,10 +24,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import xxhash
 from rocksdict import ReadOptions, WriteBatch
 
 from kvfs.errors import InvalidArgument
+from kvfs.grants import tenant_id
 from kvfs.keys import KEY_BYTES
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
@@ -588,7 +588,7 @@ class BlockTable:
         blocks hit since the last flush stay. With `tenant`, only that tenant's
         blocks go, taken from its own index. Returns (blocks, their chunks)."""
         staged = Staged()
-        index = VICTIM if tenant is None else TENANT_VICTIM + xxhash.xxh64_digest(tenant.encode())
+        index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
         floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
         freed, cursor, exhausted = 0, floor, False
         heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves

@@ -163,8 +163,8 @@ class MetaState:
                                      self._write_turns)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes], tenant: str = "") -> bytes:
-        """MatchPrefix's reply, serialized, with a read grant for the namespace; with
-        `tenant`, the lookup is metered under it."""
+        """MatchPrefix's reply, serialized, with a read grant for the namespace, which is
+        `tenant`'s; with `tenant`, the lookup is metered under it."""
         reply, hit, first = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
         if tenant:
             # one layout per namespace (it names the model and cache format): the first block's is every block's
@@ -173,7 +173,7 @@ class MetaState:
                                      layout.payload_bytes if layout else 0)
         if self.key is None:
             return reply
-        grant = read_grant(self.key, namespace_digest, self.clock() + self.cfg.read_grant_ttl)
+        grant = read_grant(self.key, namespace_digest, tenant, self.clock() + self.cfg.read_grant_ttl)
         return reply + b"\x22" + bytes([len(grant)]) + grant  # field 4, under 128 bytes
 
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> meta_pb2.MatchPrefixReply:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import xxhash
 from rocksdict import WriteBatch
 
+from kvfs.grants import tenant_id
 from kvfs.proto import meta_pb2
 
 from .db import MetaDB
@@ -67,7 +67,7 @@ class Usage:
 
     def tenant_id(self, namespace_digest: bytes) -> bytes:
         """8 bytes naming the namespace's tenant in keys (records.py `w`)."""
-        return xxhash.xxh64_digest(self.tenant_of(namespace_digest).encode())
+        return tenant_id(self.tenant_of(namespace_digest))
 
     def record_of(self, tenant: str) -> meta_pb2.TenantUsage | None:
         """The record `tenant`'s figures go to: its own, or "(other)" past the bound."""

@@ -157,11 +157,11 @@ def assert_metadata_consistent(state):
     assert all(r.depth == (stored[parent[f]].depth + 1 if f in parent else 0) for f, r in stored.items())
 
 
-def local_read_grant(namespace_digest: bytes, ttl: float = 600) -> bytes:
+def local_read_grant(namespace_digest: bytes, ttl: float = 600, tenant: str = "tests") -> bytes:
     """A read grant for a namespace, minted with the tests' local CA's cluster key as
     the metaserver would mint it: for raw data-port reads from servers without one."""
     from kvfs.grants import read_grant
     from kvfs.tls import LocalCA, load_cluster_key
 
     key = load_cluster_key(LocalCA(os.environ["KVFS_LOCAL_CA"]).key_path)
-    return read_grant(key, namespace_digest, time.time() + ttl)
+    return read_grant(key, namespace_digest, tenant, time.time() + ttl)

@@ -140,8 +140,22 @@ class StatRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TenantReadStats(_message.Message):
+    __slots__ = ("tenant_id", "reads", "bytes", "reads_paced", "paced_seconds")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    READS_PACED_FIELD_NUMBER: _ClassVar[int]
+    PACED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: bytes
+    reads: int
+    bytes: int
+    reads_paced: int
+    paced_seconds: float
+    def __init__(self, tenant_id: _Optional[bytes] = ..., reads: _Optional[int] = ..., bytes: _Optional[int] = ..., reads_paced: _Optional[int] = ..., paced_seconds: _Optional[float] = ...) -> None: ...
+
 class IoCounters(_message.Message):
-    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests", "scrubbed_bytes", "scrub_passes", "corrupt_chunks_removed")
+    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests", "scrubbed_bytes", "scrub_passes", "corrupt_chunks_removed", "reads_paced", "paced_seconds")
     READS_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +166,8 @@ class IoCounters(_message.Message):
     SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SCRUB_PASSES_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_CHUNKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    READS_PACED_FIELD_NUMBER: _ClassVar[int]
+    PACED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     reads: int
     read_bytes: int
     writes: int
@@ -162,10 +178,12 @@ class IoCounters(_message.Message):
     scrubbed_bytes: int
     scrub_passes: int
     corrupt_chunks_removed: int
-    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., corrupt_chunks_removed: _Optional[int] = ...) -> None: ...
+    reads_paced: int
+    paced_seconds: float
+    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., corrupt_chunks_removed: _Optional[int] = ..., reads_paced: _Optional[int] = ..., paced_seconds: _Optional[float] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters", "data_address")
+    __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters", "data_address", "tenant_reads")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +194,7 @@ class StatReply(_message.Message):
     IO_MODE_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_READS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     failure_domain: str
     capacity_bytes: int
@@ -186,4 +205,5 @@ class StatReply(_message.Message):
     io_mode: str
     counters: IoCounters
     data_address: str
-    def __init__(self, server_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., io_engine: _Optional[str] = ..., io_mode: _Optional[str] = ..., counters: _Optional[_Union[IoCounters, _Mapping]] = ..., data_address: _Optional[str] = ...) -> None: ...
+    tenant_reads: _containers.RepeatedCompositeFieldContainer[TenantReadStats]
+    def __init__(self, server_id: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., io_engine: _Optional[str] = ..., io_mode: _Optional[str] = ..., counters: _Optional[_Union[IoCounters, _Mapping]] = ..., data_address: _Optional[str] = ..., tenant_reads: _Optional[_Iterable[_Union[TenantReadStats, _Mapping]]] = ...) -> None: ...

@@ -2,25 +2,26 @@
 
 import os
 
-from kvfs.grants import READ_GRANT_BYTES, granted_namespace, owner_namespace, owner_record, read_grant
+from kvfs.grants import READ_GRANT_BYTES, ReadGrant, granted, owner_namespace, owner_record, read_grant, tenant_id
 from kvfs.proto import meta_pb2
 
 KEY = os.urandom(32)
 NS = os.urandom(16)
 
 
-def test_a_read_grant_names_its_namespace_until_it_expires_and_only_under_its_key():
-    grant = read_grant(KEY, NS, 1000.0)
+def test_a_read_grant_names_its_namespace_and_tenant_until_it_expires_and_only_under_its_key():
+    grant = read_grant(KEY, NS, "acme", 1000.0)
     assert len(grant) == READ_GRANT_BYTES
-    assert granted_namespace(KEY, grant, 999.0) == NS
-    assert granted_namespace(KEY, grant, 1000.0) == NS
-    assert granted_namespace(KEY, grant, 1001.0) is None  # expired
-    assert granted_namespace(os.urandom(32), grant, 999.0) is None  # another cluster's key
+    assert granted(KEY, grant, 999.0) == ReadGrant(NS, tenant_id("acme"))
+    assert granted(KEY, grant, 1000.0) == ReadGrant(NS, tenant_id("acme"))
+    assert granted(KEY, grant, 1001.0) is None  # expired
+    assert granted(os.urandom(32), grant, 999.0) is None  # another cluster's key
     other = os.urandom(16)
-    assert granted_namespace(KEY, other + grant[16:], 999.0) is None  # another namespace, same seal
-    later = read_grant(KEY, NS, 5000.0)
-    assert granted_namespace(KEY, grant[:16] + later[16:24] + grant[24:], 2000.0) is None  # expiry moved
-    assert granted_namespace(KEY, grant[:-1], 999.0) is None and granted_namespace(KEY, b"", 999.0) is None
+    assert granted(KEY, other + grant[16:], 999.0) is None  # another namespace, same seal
+    assert granted(KEY, grant[:16] + tenant_id("other") + grant[24:], 999.0) is None  # another tenant's pace
+    later = read_grant(KEY, NS, "acme", 5000.0)
+    assert granted(KEY, grant[:24] + later[24:32] + grant[32:], 2000.0) is None  # expiry moved
+    assert granted(KEY, grant[:-1], 999.0) is None and granted(KEY, b"", 999.0) is None
 
 
 def test_owner_namespace_reads_the_digest_a_stored_owner_record_names():
@@ -41,5 +42,5 @@ def test_a_lookup_carries_a_read_grant_for_its_namespace(make_state):
     assert reply.read_grant == b""  # an --insecure metaserver grants nothing (and nobody checks)
     state.key = state.allocations.key = KEY
     reply = state.match(NS, [b"k" * 16])
-    assert granted_namespace(KEY, reply.read_grant, clock.now + 60) == NS
-    assert granted_namespace(KEY, reply.read_grant, clock.now + 61) is None
+    assert granted(KEY, reply.read_grant, clock.now + 60).namespace == NS
+    assert granted(KEY, reply.read_grant, clock.now + 61) is None
