@@ -163,11 +163,18 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
             worst, count, reported = 0.0, 0, now
 
 
+def flag_parser(prog: str, description: str, cfg_cls: type) -> argparse.ArgumentParser:
+    """A server's command line: --config and a flag per setting of `cfg_cls` (the
+    deploy/ manifests' flags are checked against it)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, cfg_cls)
+    return parser
+
+
 def run_server(prog: str, description: str, cfg_cls: type, section: str, serve, argv: list[str] | None) -> int:
     """Parses flags into `cfg_cls` (flags > env > TOML > defaults), sets up
     logging and runs `serve(cfg)` until it returns."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_flags(parser, cfg_cls)
+    parser = flag_parser(prog, description, cfg_cls)
     args = parser.parse_args(argv)
     try:
         cfg = load(cfg_cls, section, vars(args))

@@ -165,3 +165,17 @@ def local_read_grant(namespace_digest: bytes, ttl: float = 600, tenant: str = "t
 
     key = load_cluster_key(LocalCA(os.environ["KVFS_LOCAL_CA"]).key_path)
     return read_grant(key, namespace_digest, tenant, time.time() + ttl)
+
+
+def dashboard_queries(path) -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) of every target of a Grafana dashboard JSON,
+    rows' panels included."""
+    import json
+
+    def panels(items):
+        for panel in items:
+            yield panel
+            yield from panels(panel.get("panels", []))
+
+    dashboard = json.loads(pathlib.Path(path).read_text())
+    return [(p.get("title", ""), t["expr"]) for p in panels(dashboard["panels"]) for t in p.get("targets", [])]
