@@ -166,6 +166,20 @@ def _plot(path: str | None, results: list[dict], title: str) -> None:
         console.print(f"wrote {path}")
 
 
+def _tenants(args) -> int:
+    from kvfs.config import parse_size
+
+    from .tenants import run_tenants
+
+    configs = run_tenants(parse_size(args.rate), args.a_tokens, args.b_tokens, args.flood, args.samples,
+                          args.a_interval, args.transport, args.chunkservers)
+    _write_json(args.json, {"bench": "tenants", **_host(), "config": {
+        "rate": parse_size(args.rate), "a_tokens": args.a_tokens, "b_tokens": args.b_tokens, "flood": args.flood,
+        "samples": args.samples, "a_interval": args.a_interval, "transport": args.transport,
+        "chunkservers": args.chunkservers}, "results": configs})
+    return 0
+
+
 def _faults(args) -> int:
     from .faults import run_faults
 
@@ -525,13 +539,23 @@ def main(argv: list[str] | None = None) -> int:
     meta.add_argument("--heartbeat-interval", help="metaserver setting (default: its own)")
     meta.add_argument("--heartbeat-timeout", help="metaserver setting (default: its own)")
     meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
-    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta):
+    tenants = sub.add_parser("tenants", help="one tenant's restore latency while another floods the same "
+                                             "chunkservers, without and with per-tenant read pacing")
+    tenants.add_argument("--rate", default="64MiB", help="tenant_read_rate of the paced configuration")
+    tenants.add_argument("--a-tokens", type=int, default=1024, help="tenant A's prompt (MLA tokens)")
+    tenants.add_argument("--b-tokens", type=int, default=8192, help="tenant B's prefix (MLA tokens)")
+    tenants.add_argument("--flood", type=int, default=4, help="B's concurrent restore loops")
+    tenants.add_argument("--samples", type=int, default=40, help="A's restores per phase")
+    tenants.add_argument("--a-interval", type=float, default=0.25, help="seconds between A's restores")
+    tenants.add_argument("--transport", default="tcp", help="tcp, shm or grpc (all paced alike)")
+    tenants.add_argument("--chunkservers", type=int, default=3)
+    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults, "vllm": _vllm, "meta": _meta}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -199,3 +199,16 @@ def test_meta_bench_report_shape(tmp_path):
     assert "error" not in restart and restart["matched"] == restart["expected"] == 2000
     assert restart["full_match_s"] >= restart["serving_s"] > 0 and restart["stop_s"] > 0
     assert "FAKE chunkservers" in stdout and "0 wrong answers" in stdout
+
+
+def test_tenants_bench_reports_both_configurations(tmp_path):
+    report, stdout = run(["tenants", "--a-tokens", "64", "--b-tokens", "256", "--flood", "2", "--samples", "5",
+                          "--a-interval", "0.2", "--rate", "8MiB", "--chunkservers", "2"], tmp_path)
+    unpaced, paced = report["results"]
+    assert report["bench"] == "tenants" and (unpaced["rate"], paced["rate"]) == (0, 8 << 20)
+    for r in (unpaced, paced):
+        assert r["flood_p99_ms"] >= r["flood_p50_ms"] > 0 and r["alone_p99_ms"] >= r["alone_p50_ms"] > 0
+        assert abs(r["p99_ratio"] - r["flood_p99_ms"] / r["alone_p99_ms"]) < 1e-9 and r["b_gbps"] >= 0
+    # A (2 MiB every 0.2 s) stays under 8 MiB/s per server; B restoring as fast as it can does not
+    assert unpaced["b_paced"] == paced["a_paced"] == 0 and paced["b_paced"] > 0
+    assert "under tenant B's flood" in stdout
