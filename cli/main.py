@@ -57,20 +57,52 @@ def _status_table(status) -> Table:
     return table
 
 
-def _usage_table(reply) -> Table:
+def _usage_table(reply, restored: dict[str, dict] | None) -> Table:
     table = Table(title="kvfs usage per tenant", caption="tokens hit: served from cache; written: committed new "
                   "(misses written back); stored: payload; of the cache: whole slots per replica (what quotas "
-                  "count); GiB-hours: payload stored over time, since metering began")
+                  "count); GiB-hours: payload stored over time, since metering began; restored: bytes the "
+                  "chunkservers sent its restores, and reads that waited for its pace, since each started"
+                  + ("" if restored is not None else " (not shown: reading them takes an admin certificate)"))
     for col in ("tenant", "lookups", "blocks hit", "hit ratio", "tokens hit", "tokens written", "stored now",
-                "of the cache", "GiB-hours", "since"):
+                "of the cache", "GiB-hours", "restored", "paced", "since"):
         table.add_column(col, justify="left" if col == "tenant" else "right")
     for u in reply.tenants:
         ratio = f"{u.blocks_hit / u.blocks_requested:.1%}" if u.blocks_requested else "-"
+        reads = (restored or {}).get(u.tenant)
         table.add_row(u.tenant, f"{u.lookups:,}", f"{u.blocks_hit:,}", ratio, f"{u.tokens_hit:,}",
                       f"{u.tokens_written:,}", _human(u.bytes_stored), _human(u.cache_bytes),
-                      f"{u.byte_seconds / 3600 / (1 << 30):,.3f}",
+                      f"{u.byte_seconds / 3600 / (1 << 30):,.3f}", _human(reads["bytes"]) if reads else "-",
+                      f"{reads['reads_paced']:,}" if reads else "-",
                       time.strftime("%Y-%m-%d %H:%M", time.gmtime(u.since)))
     return table
+
+
+def _restored(status, credentials, tenants: list[str]) -> dict[str, dict] | None:
+    """Per tenant: the reads, bytes and paced reads its restores made, summed over the
+    live chunkservers (their Stat counts tenants by id, kvfs.grants.tenant_id, since
+    each started); None when a chunkserver refuses Stat (it takes an admin)."""
+    from kvfs.grants import tenant_id
+    from kvfs.proto import chunk_pb2, chunk_pb2_grpc
+
+    names = {tenant_id(t): t for t in tenants}
+    out = {t: {"reads": 0, "bytes": 0, "reads_paced": 0} for t in tenants}
+    for server in status.servers:
+        if not server.live:
+            continue
+        with tls.channel(server.address, credentials) as channel:
+            try:
+                stat = chunk_pb2_grpc.ChunkServiceStub(channel).Stat(chunk_pb2.StatRequest(), timeout=10)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    return None
+                raise
+        for t in stat.tenant_reads:
+            if t.tenant_id in names:
+                mine = out[names[t.tenant_id]]
+                mine["reads"] += t.reads
+                mine["bytes"] += t.bytes
+                mine["reads_paced"] += t.reads_paced
+    return out
 
 
 def _cluster_state(args) -> dict | None:
@@ -227,12 +259,14 @@ def _admin(args) -> int:
                     console.print(_status_table(status))
             elif args.cmd == "usage":
                 usage = stub.Usage(meta_pb2.UsageRequest(tenants=args.tenant), timeout=10)
+                restored = _restored(stub.Status(meta_pb2.StatusRequest(), timeout=10), _admin_credentials(args),
+                                     [u.tenant for u in usage.tenants])
                 if args.json:
-                    print(json.dumps(json_format.MessageToDict(usage, preserving_proto_field_name=True,
-                                                               always_print_fields_with_no_presence=True),
-                                     indent=2))
+                    print(json.dumps({**json_format.MessageToDict(usage, preserving_proto_field_name=True,
+                                                                  always_print_fields_with_no_presence=True),
+                                      "restored": restored}, indent=2))
                 else:
-                    console.print(_usage_table(usage))
+                    console.print(_usage_table(usage, restored))
             elif args.cmd == "rebuild":
                 r = stub.Rebuild(meta_pb2.RebuildRequest(), timeout=600)
                 console.print(f"rebuild: {r.chunks_seen} chunks seen, {r.blocks_restored} blocks restored, "

@@ -75,3 +75,7 @@ async def test_a_tenant_sees_its_own_usage_only_and_an_admin_sees_all(cluster, w
     printed = json.loads(capsys.readouterr().out)
     assert [(t["tenant"], int(t["blocks_written"])) for t in printed["tenants"]] == \
         [("tenant-b", everyone["tenant-b"].blocks_written)]
+    # what B's restores read, from the chunkservers' counts per tenant: at least its two restores' payload
+    # (the data port sends whole 64 KiB blocks)
+    assert printed["restored"]["tenant-b"]["bytes"] >= 2 * LAYOUT.buffer_bytes(3 * 64)
+    assert printed["restored"]["tenant-b"]["reads"] >= 2 and printed["restored"]["tenant-b"]["reads_paced"] == 0
