@@ -179,3 +179,14 @@ def dashboard_queries(path) -> list[tuple[str, str]]:
 
     dashboard = json.loads(pathlib.Path(path).read_text())
     return [(p.get("title", ""), t["expr"]) for p in panels(dashboard["panels"]) for t in p.get("targets", [])]
+
+
+def recv_exactly(sock, n: int) -> bytes:
+    """n bytes from a raw socket (ConnectionError if it closes first)."""
+    buf = b""
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("closed")
+        buf += part
+    return buf

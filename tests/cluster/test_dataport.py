@@ -15,7 +15,7 @@ from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
-from helpers import flip_bytes, local_read_grant, restore_all, tokens_for, wait_until
+from helpers import flip_bytes, local_read_grant, recv_exactly, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -83,18 +83,8 @@ def raw_request(address: str, frame: bytes) -> tuple[wire.Header, bytes, socket.
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(frame)
-    header = wire.parse_header(recv(sock, wire.HEADER.size), requests=False)
-    return header, recv(sock, header.body_len), sock
-
-
-def recv(sock, n):
-    buf = b""
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("closed")
-        buf += part
-    return buf
+    header = wire.parse_header(recv_exactly(sock, wire.HEADER.size), requests=False)
+    return header, recv_exactly(sock, header.body_len), sock
 
 
 RAW_NS = os.urandom(16)  # the namespace the raw tests' chunks name in their owner records
@@ -127,11 +117,11 @@ async def test_malformed_frames_get_a_status_and_the_server_serves_on(chunkserve
         wire.Range(b"unknown", 0, 0), wire.Range(b"known", 3 * MiB, 5), wire.Range(b"known", 10, 20)], grant=grant))
     results = wire.parse_read_reply(header, body)
     assert [r.code for r in results] == [5, 11, 0]
-    assert len(recv(sock, results[2].data_len)) == 65536  # widened to its checksum block
+    assert len(recv_exactly(sock, results[2].data_len)) == 65536  # widened to its checksum block
     # a read over the server's limit is refused as a whole, on a connection that stays open
     sock.sendall(wire.encode_read(10, [wire.Range(b"known", 0, 0)] * 200, grant=grant))
-    header = wire.parse_header(recv(sock, 24), requests=False)
-    code, message = wire.parse_status(header, recv(sock, header.body_len))
+    header = wire.parse_header(recv_exactly(sock, 24), requests=False)
+    code, message = wire.parse_status(header, recv_exactly(sock, header.body_len))
     assert code == 3 and "at most" in message
     sock.close()
     async with ChunkClient(server.address) as c:

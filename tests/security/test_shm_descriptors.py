@@ -16,7 +16,7 @@ from kvfs.buffers import sealed_memfd
 from kvfs.client import ChunkClient
 from kvfs.proto import meta_pb2
 
-from helpers import local_read_grant
+from helpers import local_read_grant, recv_exactly
 
 MiB = 1 << 20
 RAW_NS = os.urandom(16)
@@ -30,19 +30,9 @@ def local_socket(data_address: str) -> socket.socket:
     return s
 
 
-def recv(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("closed")
-        buf += part
-    return buf
-
-
 def answer(sock: socket.socket) -> tuple[wire.Header, bytes]:
-    header = wire.parse_header(recv(sock, wire.HEADER.size), requests=False)
-    return header, recv(sock, header.body_len)
+    header = wire.parse_header(recv_exactly(sock, wire.HEADER.size), requests=False)
+    return header, recv_exactly(sock, header.body_len)
 
 
 def register(sock: socket.socket, size: int, fds: list[int], mapping: int = 0) -> tuple[int, str]:
@@ -119,7 +109,7 @@ async def test_only_a_sealed_memory_file_passed_by_descriptor_is_mapped(chunkser
         header, body = answer(s)
         (result,) = wire.parse_read_reply(header, body)
         assert result.code == 0
-        recv(s, result.data_len)
+        recv_exactly(s, result.data_len)
     assert open_fds(server.pid) < before + 10
     s.close()
     os.close(sealed)

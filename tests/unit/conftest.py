@@ -1,5 +1,8 @@
 """Fixtures of the unit tests (no processes, no sockets)."""
 
+import asyncio
+import threading
+
 import pytest
 
 from kvfs.chunkserver.store import ChunkStore
@@ -38,6 +41,19 @@ def make_state(tmp_path):
             s.close()
         except Exception:
             pass
+
+
+@pytest.fixture
+def event_loop_thread():
+    """An event loop running in a thread of its own, as the metaserver's runs beside
+    the scrapes of its metrics."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
 
 
 @pytest.fixture(params=["direct", "buffered"])

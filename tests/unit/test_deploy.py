@@ -7,12 +7,10 @@ dashboard queries only metrics the servers define."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import pathlib
 import re
 import shlex
-import threading
 import tomllib
 
 import pytest
@@ -373,18 +371,6 @@ def test_every_systemd_unit_runs_a_server_with_real_flags_variables_and_settings
 # ---- the Grafana dashboard -----------------------------------------------------
 
 
-@pytest.fixture
-def loop_thread():
-    """An event loop in a thread of its own, as the metaserver's runs beside scrapes."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-    loop.close()
-
-
 def metric_names(registry: CollectorRegistry) -> set[str]:
     """The series names a scrape of `registry` can hold, also of families with no
     sample yet (a labelled metric before its first label)."""
@@ -396,10 +382,10 @@ def metric_names(registry: CollectorRegistry) -> set[str]:
     return names
 
 
-def test_the_dashboard_queries_only_metrics_the_servers_define(make_state, tmp_path, loop_thread):
+def test_the_dashboard_queries_only_metrics_the_servers_define(make_state, tmp_path, event_loop_thread):
     registry = CollectorRegistry()
     RpcMetrics(registry)
-    registry.register(StatusCollector(make_state().blocks, meta_pb2.StatusReply, loop_thread))
+    registry.register(StatusCollector(make_state().blocks, meta_pb2.StatusReply, event_loop_thread))
     ChunkMetrics(registry)
     store = ChunkStore(ChunkserverConfig(data_dir=str(tmp_path / "cs"), capacity=1 << 30, io_mode="buffered"))
     try:

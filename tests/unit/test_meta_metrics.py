@@ -1,7 +1,6 @@
 """The metaserver's metrics collector in-process: what a scrape reads, also while
 the event loop is held up."""
 
-import asyncio
 import threading
 
 import pytest
@@ -15,18 +14,6 @@ from kvfs.proto import meta_pb2
 
 def sample(collector: StatusCollector, name: str) -> float:
     return next(s.value for family in collector.collect() for s in family.samples if s.name == name)
-
-
-@pytest.fixture
-def event_loop_thread():
-    """An event loop running in a thread of its own, as the metaserver's runs beside the scrapes."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join()
-    loop.close()
 
 
 def test_a_scrape_reads_a_fresh_snapshot_or_while_the_loop_is_held_up_the_previous_one(
