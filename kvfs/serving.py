@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvfs import tls
 from kvfs.auth import Authorizer
 from kvfs.config import add_flags, load
-from kvfs.rpc import CHANNEL_OPTIONS
+from kvfs.rpc import CHANNEL_OPTIONS, ParsesRequests
 
 log = logging.getLogger("kvfs.serving")
 
@@ -56,13 +56,15 @@ def cluster_key(cfg, name: str) -> bytes | None:
 
 def grpc_server(name: str, creds: tls.Credentials | None, max_receive: int | None = None) -> grpc.aio.Server:
     """A gRPC server whose every call is checked against kvfs.auth.RULES (none over
-    plaintext: an --insecure server has no identities to check). With
+    plaintext: an --insecure server has no identities to check), then parsed
+    (kvfs.rpc.ParsesRequests: a malformed body is INVALID_ARGUMENT). With
     `max_receive`, gRPC refuses larger requests (RESOURCE_EXHAUSTED) before
     reading them, in place of the limit CHANNEL_OPTIONS sets for chunk data."""
     options = dict(CHANNEL_OPTIONS)
     if max_receive is not None:
         options["grpc.max_receive_message_length"] = max_receive
-    return grpc.aio.server(options=list(options.items()), interceptors=[Authorizer(name)] if creds else [])
+    checks = [Authorizer(name)] if creds else []
+    return grpc.aio.server(options=list(options.items()), interceptors=[*checks, ParsesRequests()])
 
 
 def bound_address(listen: str, port: int) -> str:
