@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from rocksdict import ReadOptions, WriteBatch
 
 from kvfs.errors import InvalidArgument
-from kvfs.grants import tenant_id
+from kvfs.grants import TENANT_ID_BYTES, tenant_id
 from kvfs.keys import KEY_BYTES
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
@@ -36,8 +36,8 @@ from .config import MetaserverConfig
 from .db import MetaDB
 from .membership import Membership
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT,
-                      TENANT_ID, TENANT_VICTIM, VICTIM, Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key, replica_prefix,
-                      reply_tail, row_bound, row_key, u64, victim_key)
+                      TENANT_VICTIM, VICTIM, Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key,
+                      replica_prefix, reply_tail, row_bound, row_key, u64, victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class BlockTable:
         self.victim_floor = min(self.victim_floor, victim)
         mine = self.tenant_victim(victim)
         batch.put(mine, b"")
-        tid = mine[: 1 + TENANT_ID]
+        tid = mine[: len(TENANT_VICTIM) + TENANT_ID_BYTES]
         if tid in self.tenant_floors:
             self.tenant_floors[tid] = min(self.tenant_floors[tid], mine)
 
@@ -285,8 +285,8 @@ class BlockTable:
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> tuple[bytes, int, bytes]:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
         readable blocks from keys[0], how many blocks that is, and the first one's
-        location (framed as in the reply; b"" when none). Rows are read in slot order from the first Rows are read in slot order from the first
-        block's slot: while a prompt's blocks lie in consecutive slots this is one
+        location (framed as in the reply; b"" when none). Rows are read in slot
+        order from the first block's slot: while a prompt's blocks lie in consecutive slots this is one
         range read; where the next row is not the next key's (a branch), one point
         read finds where that block is. Each block's stored location goes into the
         reply as it is unless one of its servers is down."""

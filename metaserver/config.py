@@ -76,9 +76,9 @@ class MetaserverConfig:
     max_request_bytes: int = size_field(64 * MiB, "largest gRPC request the metaserver reads; a larger one is "
                                         "refused (RESOURCE_EXHAUSTED) before it is read. The largest real one, a "
                                         "CommitBlocks of max_keys MLA blocks, is about 25 MB")
-    tenant_quotas: str = option("", "most payload bytes one tenant's cached blocks may hold, as tenant=SIZE or "
-                                "tenant=PERCENT% of the cache capacity, comma-separated, * for every tenant not "
-                                "named; empty: none. A write past it evicts the tenant's own blocks, lowest "
+    tenant_quotas: str = option("", "most of the cache one tenant's blocks may take (whole slots per replica, "
+                                "as eviction counts), as tenant=SIZE or tenant=PERCENT% of the cache capacity, "
+                                "comma-separated, * for every tenant not named; empty: none. A write past it evicts the tenant's own blocks, lowest "
                                 "rank first, down to evict_low of its quota; one larger than the quota is "
                                 "refused")
     usage_max_tenants: int = option(10_000, "tenants metered one by one (kvfs usage); past it, new tenants are "
@@ -128,7 +128,7 @@ class MetaserverConfig:
         return parse_ttl_classes(self.ttl_classes)
 
     def quota_bytes(self, tenant: str, capacity: int) -> int | None:
-        """The most payload bytes `tenant`'s blocks may hold (None: no quota), given
+        """The most bytes of cache `tenant`'s blocks may take (None: no quota), given
         the cache's capacity in bytes."""
         quotas = parse_quotas(self.tenant_quotas)  # a few names: cheaper to parse than to cache (frozen)
         size, share = quotas.get(tenant) or quotas.get("*") or (0, 0.0)

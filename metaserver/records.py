@@ -50,7 +50,6 @@ BLOCK, ROW, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"l", b"c", b"x", b"v"
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
-TENANT_ID = 8  # bytes of a tenant's id in TENANT_VICTIM keys (kvfs.grants.tenant_id)
 
 FORMAT = 4  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"
