@@ -155,6 +155,7 @@ class Fill:
         self.errors: collections.Counter = collections.Counter()
         self._bounds = [math.ceil(k * total / 10) for k in range(1, 11)] if total else []
         self.marks: list[tuple[int, float]] = []  # (committed, monotonic) as each decile completes
+        self.first_chunk: dict[bytes, bytes] = {}  # key -> its first chunk's id, for the kept chains' blocks
 
     async def run(self, lengths: list[int], clients: int, keep: dict[int, list[bytes]]) -> None:
         """Writes the chains, `clients` at a time; the keys of chain i go into keep[i] if present."""
@@ -197,6 +198,7 @@ class Fill:
                 return
             if keep is not None:
                 keep.extend(keys)
+                self.first_chunk.update((b.key, b.chunks[0].chunk_id) for b in alloc.blocks)
             parent = keys[-1]
             if self.stop():
                 return
@@ -222,11 +224,16 @@ class Target:
     name: str
     requests: list[meta_pb2.MatchPrefixRequest]
     expected: list[int]  # matched blocks, per request
+    first_chunk: dict[bytes, bytes]  # key -> the id of its block's first chunk
 
     def right(self, i: int, reply: meta_pb2.MatchPrefixReply) -> bool:
+        """The expected count, the first and last block's chunks, and the layout."""
         req, n = self.requests[i], self.expected[i]
-        return (reply.matched == n and len(reply.blocks) == n
-                and (n == 0 or (reply.blocks[0].key == req.keys[0] and reply.blocks[-1].key == req.keys[n - 1])))
+        if reply.matched != n or len(reply.blocks) != n:
+            return False
+        return n == 0 or (reply.layout == LAYOUT_MSG
+                          and reply.blocks[0].chunks[0].chunk_id == self.first_chunk[req.keys[0]]
+                          and reply.blocks[-1].chunks[0].chunk_id == self.first_chunk[req.keys[n - 1]])
 
 
 class Sampler:
@@ -281,6 +288,7 @@ class _Run:
         self.windows: dict[str, tuple[float, float]] = {}
         self.phases: dict[str, dict] = {}
         self.chains: dict[int, list[bytes]] = {}  # the lookup chains' keys
+        self.first_chunk: dict[bytes, bytes] = {}  # their blocks' first chunks' ids
 
     async def run(self) -> dict:
         cfg = self.cfg
@@ -417,6 +425,7 @@ class _Run:
             t0 = time.monotonic()
             await fill.run(lengths, cfg.clients, self.chains)
             seconds = time.monotonic() - t0
+        self.first_chunk = fill.first_chunk
         if task is not None:
             self.progress.remove_task(task)
         self.log(f"fill: {fill.committed} blocks committed in {seconds:.1f}s ({fill.committed / seconds:.0f} blocks/s)"
@@ -446,13 +455,13 @@ class _Run:
                                f"{'running' if self.meta.alive() else 'exited'}, its log ends:\n{self.meta.log_tail()}")
         shortest = min(len(k) for k in chains)
         targets = [Target(f"hit {size}", [meta_pb2.MatchPrefixRequest(namespace=NS, keys=k[:size]) for k in chains],
-                          [size] * len(chains))
+                          [size] * len(chains), self.first_chunk)
                    for size in sorted({min(s, shortest) for s in HIT_SIZES})]
         longest = targets[-1]
         n = len(longest.requests[0].keys)
         targets.append(Target(f"miss after 1 ({n} keys)", [meta_pb2.MatchPrefixRequest(
             namespace=NS, keys=[k[0], *(os.urandom(16) for _ in range(n - 1))]) for k in chains],
-            [1] * len(chains)))
+            [1] * len(chains), self.first_chunk))
         for _ in range(3):
             for keys in chains:
                 with contextlib.suppress(grpc.aio.AioRpcError):

@@ -52,21 +52,15 @@ class PrefixMatch:
     keys: list[bytes]
     matched: int
     block_tokens: int
-    blocks: list = field(repr=False)
+    blocks: Sequence = field(repr=False)  # meta_pb2.BlockLocation: chunks only (the layout is `layout`)
     servers: list[ServerInfo] = field(repr=False)
     lookup_seconds: float = 0.0
     read_grant: bytes = field(default=b"", repr=False)  # chunkservers ask for it with every read
+    layout: BlockLayout | None = None  # every matched block's; None when nothing matched
 
     @property
     def tokens(self) -> int:
         return self.matched * self.block_tokens
-
-    @property
-    def layout(self) -> BlockLayout | None:
-        if not self.blocks:
-            return None
-        m = self.blocks[0].layout
-        return BlockLayout(m.layers, m.block_tokens, m.kv_dim, m.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -182,9 +176,11 @@ class Client:
         t0 = time.perf_counter()
         reply = await self._meta_call(self._meta.MatchPrefix,
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
-        return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, list(reply.blocks),
+        m = reply.layout
+        return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, reply.blocks,
                            [ServerInfo(s.id, s.address, s.data_address) for s in reply.servers],
-                           time.perf_counter() - t0, reply.read_grant)
+                           time.perf_counter() - t0, reply.read_grant,
+                           BlockLayout(m.layers, m.block_tokens, m.kv_dim, m.dtype) if reply.matched else None)
 
     def read(self, match: PrefixMatch, out, *, layers: Iterable[int] | None = None, blocks: int | None = None,
              buffer_tokens: int | None = None) -> Restore:

@@ -110,10 +110,6 @@ class Restore:
         self._started = time.perf_counter()
         items = []
         for b, block in enumerate(match.blocks[: self.blocks]):
-            blayout = BlockLayout(block.layout.layers, block.layout.block_tokens, block.layout.kv_dim,
-                                  block.layout.dtype)
-            if blayout != layout:
-                raise InvalidArgument(f"block {b} has layout {blayout}, block 0 has {layout}")
             for c in block.chunks:
                 span = layout.span_of(c.offset, c.length)
                 need = [l for l in range(span.first_layer, span.last_layer + 1) if l in wanted]

@@ -11,8 +11,6 @@ import os
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
-from rocksdict import WriteBatch
-
 from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvfs.grants import owner_seal
 from kvfs.keys import KEY_BYTES
@@ -22,9 +20,10 @@ from kvfs.proto import meta_pb2
 from .blocks import BlockTable, footprint, layout_of
 from .chains import Placer
 from .config import MetaserverConfig
-from .db import MetaDB
+from .db import Batch, MetaDB
+from .groups import NO_KEY
 from .membership import Membership, ServerState
-from .records import ALLOC, Row
+from .records import ALLOC, Row, row_layout
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +57,18 @@ def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
     keys = list(keys)
     if len(keys) > max_keys:
         raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {max_keys}")
-    bad = [k for k in keys if len(k) != KEY_BYTES]
-    if bad:
-        raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes; got one of {len(bad[0])}")
+    if not all(map(KEY_BYTES.__eq__, map(len, keys))):
+        bad = next(k for k in keys if len(k) != KEY_BYTES)
+        raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes; got one of {len(bad)}")
+    if NO_KEY in keys:  # it marks an empty slot in a row group
+        raise InvalidArgument(f"{what}: a key of {KEY_BYTES} zero bytes is not a block key (keys are blake2b "
+                              f"digests, kvfs/keys.py)")
     return keys
+
+
+def same_layout(raw: bytes, layout: meta_pb2.BlockLayout) -> bool:
+    """Whether a row (as stored) has this layout."""
+    return meta_pb2.BlockLayout.FromString(row_layout(raw)) == layout
 
 
 class Allocations:
@@ -114,6 +121,11 @@ class Allocations:
         if not capacity:
             raise Unavailable("no live chunkservers to place blocks on")
         spans = layout.chunks(self.cfg.chunk_size)
+        if parent:
+            (parent_row,) = self.blocks.live_rows([namespace_digest + parent])
+            if parent_row is not None and not same_layout(parent_row, layout_msg):
+                raise InvalidArgument(f"block layout {layout} differs from the layout of parent block "
+                                      f"{parent.hex()[:16]}: a prompt's blocks share one layout")
         # an expired block not removed yet is written again (commit replaces it)
         present = self.blocks.live_rows([namespace_digest + k for k in keys])
         new = sum(p is None for p in present)
@@ -293,13 +305,14 @@ class Allocations:
                 garbage += chunks
                 continue
             parent = parents[block.key]
-            if parent and namespace_digest + parent not in new and parent_present.get(parent) is None:
-                garbage += chunks  # its parent expired or was lost since the allocation
+            if parent and namespace_digest + parent not in new and (
+                    parent_present.get(parent) is None or not same_layout(parent_present[parent], alloc.record.layout)):
+                garbage += chunks  # its parent expired, was lost, or was written again otherwise since the allocation
                 continue
             new[full] = rows[full]
         replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present)
                     if raw is not None and live is None and f in new}
-        batch = WriteBatch(raw_mode=True)
+        batch = Batch()
         record = alloc.record
         if new:
             layout = layout_of(record.layout)
@@ -335,7 +348,7 @@ class Allocations:
         expired = [a for a, alloc in self.open.items() if now > alloc.record.expires_at]
         garbage = []
         if expired:
-            batch = WriteBatch(raw_mode=True)
+            batch = Batch()
             for a in expired:
                 garbage += self.open.pop(a).unsettled_chunks()
                 batch.delete(ALLOC + a)

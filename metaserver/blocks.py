@@ -9,22 +9,19 @@ The cached set stays closed under "parent of" where it matters: only leaves
 (blocks without children) are eviction candidates, and a block that expires or
 is lost queues its descendants, which nothing can reach any more, to be dropped
 in later slices (`drop_stranded`). A hit is recorded in memory (bounded) and
-written back in batches (`flush_hits`): losing the last second of hits to a
-crash costs only ranking and TTL precision.
+written back in batches once `hit_flush_delay` old (`flush_hits`, hits.py):
+losing those seconds of hits to a crash costs only ranking and TTL precision.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
 import struct
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from rocksdict import ReadOptions, WriteBatch
 
 from kvfs.errors import InvalidArgument
 from kvfs.grants import TENANT_ID_BYTES, tenant_id
@@ -33,16 +30,18 @@ from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
 from .config import MetaserverConfig
-from .db import MetaDB
+from .db import Batch, MetaDB
 from .membership import Membership
-from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SERVERS, SHORT,
-                      TENANT_VICTIM, VICTIM, Row, child_key, expiry_key, frame, read_u64, reframe_live, replica_key,
-                      replica_prefix, reply_tail, row_bound, row_key, u64, victim_key)
+from . import groups
+from .groups import GROUP_SLOTS, group_key
+from .hits import PendingHits
+from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
+                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_key,
+                      replica_prefix, reply_layout, reply_tail, row_layout, row_slot, u64, victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING_HITS = 500_000  # blocks hit since the last flush; past it, more hits are not recorded
 SLOT_SPAN = 1 << 16  # slots between two prompts' first blocks: room for a prompt to grow in place
 GHOST_TRIM = 256  # ghosts one commit may forget
 
@@ -95,7 +94,7 @@ class Ranks:
     def rank(self, hits: int, now: float) -> float:
         return now if self.policy == "lru" else self.aging + math.log2(max(1, hits))
 
-    def evicted(self, batch: WriteBatch, full: bytes, row: Row, table: BlockTable) -> None:
+    def evicted(self, batch: Batch, full: bytes, row: Row, table: BlockTable) -> None:
         if self.policy != "lfuda":
             return
         self.aging = max(self.aging, row.rank)  # persisted with the batch's counters
@@ -115,7 +114,7 @@ class Ranks:
 class Staged:
     """One batch of removals: what it deletes, and what to do once written."""
 
-    batch: WriteBatch = field(default_factory=lambda: WriteBatch(raw_mode=True))
+    batch: Batch = field(default_factory=lambda: Batch())
     removed: dict[bytes, Row] = field(default_factory=dict)
     gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
@@ -152,8 +151,7 @@ class Slots:
             return False
         lo, hi = self.free.get(ns, (0, 0))
         if not lo <= slot < hi:
-            taken = [k for k, _ in self.table.db.scan(ROW + ns, start=row_key(ns, slot), limit=1)]
-            hi = read_u64(taken[0][-8:]) if taken else 1 << 64
+            hi = self.table.next_taken(ns, slot)
             self.free[ns] = (slot, hi)
             lo = slot
         return lo <= slot < hi
@@ -191,11 +189,7 @@ class BlockTable:
         # new entry lowers it (leaf(), expires()).
         self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
         self.tenant_floors: dict[bytes, bytes] = {}  # the same, per tenant index evicted from
-        # Hits since the last flush: full key -> last hit, and full key -> how many. Two
-        # maps filled in bulk (C loops) rather than one of tuples updated block by block.
-        self.hits: dict[bytes, float] = {}
-        self.hit_counts: Counter[bytes] = Counter()
-        self._hits_dropped = 0
+        self.hits = PendingHits()  # since the last flush, a run of blocks an entry
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
         self.usage = Usage(db, clock, cfg.usage_max_tenants)  # per tenant, moved with the blocks
@@ -205,7 +199,7 @@ class BlockTable:
     def __len__(self) -> int:
         return self.blocks
 
-    def _counters(self, batch: WriteBatch) -> None:
+    def _counters(self, batch: Batch) -> None:
         self.peak_blocks = max(self.peak_blocks, self.blocks)
         for name, value in ((b"blocks", self.blocks), (b"payload", self.payload_bytes),
                             (b"footprint", self.cache_bytes), (b"peak", self.peak_blocks),
@@ -222,14 +216,35 @@ class BlockTable:
         """These blocks' rows as stored (None for a block not committed)."""
         if not fulls:
             return []
-        slots = self.db.db.get([BLOCK + f for f in fulls])
-        at = [row_key(f[:KEY_BYTES], read_u64(s)) for f, s in zip(fulls, slots) if s is not None]
-        found = iter(self.db.db.get(at) if at else [])
-        return [next(found) if s is not None else None for s in slots]
+        slots = [read_u64(s) if s is not None else None for s in self.db.db.get([BLOCK + f for f in fulls])]
+        names = list({group_key(f[:KEY_BYTES], s // GROUP_SLOTS) for f, s in zip(fulls, slots) if s is not None})
+        values = dict(zip(names, self.db.db.get(names) if names else []))
+        out = []
+        for full, slot in zip(fulls, slots):
+            value = values.get(group_key(full[:KEY_BYTES], slot // GROUP_SLOTS)) if slot is not None else None
+            out.append(groups.row_at(value, slot % GROUP_SLOTS) if value is not None else None)
+        return out
 
-    def last_use(self, full: bytes, stored: float) -> float:
-        """A block's last use: the one its row holds, or a hit recorded since (not flushed yet)."""
-        return max(stored, self.hits.get(full, stored))
+    def next_taken(self, ns: bytes, slot: int) -> int:
+        """The first slot from `slot` on that holds a row of the namespace (2^64: none)."""
+        group, offset = divmod(slot, GROUP_SLOTS)
+        for name, value in self.db.scan(ROW + ns, start=group_key(ns, group)):
+            base = read_u64(name[-8:]) * GROUP_SLOTS
+            for k in groups.occupied(value):
+                if base + k >= slot:
+                    return base + k
+        return 1 << 64
+
+    def last_use(self, ns: bytes, raw: bytes) -> float:
+        """A block's last use: the one its row (as stored) holds, or a hit recorded
+        since (not flushed yet)."""
+        _, _, stored = LOOKUP.unpack_from(raw, KEY_BYTES)
+        hit = self.hits.of(ns, row_slot(raw), raw[:KEY_BYTES])
+        return max(stored, hit[1]) if hit else stored
+
+    def hit_since_flush(self, full: bytes, raw: bytes) -> bool:
+        """Whether a block (its row as stored) was hit since the last flush."""
+        return self.hits.of(full[:KEY_BYTES], row_slot(raw), raw[:KEY_BYTES]) is not None
 
     def live_rows(self, fulls: list[bytes], stored: list[bytes | None] | None = None) -> list[bytes | None]:
         """rows(), with None also for blocks past their TTL that expiry has not removed yet."""
@@ -238,7 +253,7 @@ class BlockTable:
         for full, raw in zip(fulls, self.rows(fulls) if stored is None else stored):
             if raw is not None:
                 _, ttl, last_used = LOOKUP.unpack_from(raw, KEY_BYTES)
-                if now > self.last_use(full, last_used) + ttl:
+                if now > last_used + ttl and now > self.last_use(full[:KEY_BYTES], raw) + ttl:
                     raw = None
             out.append(raw)
         return out
@@ -247,7 +262,7 @@ class BlockTable:
         (raw,) = self.rows([full])
         return Row.decode(raw) if raw is not None else None
 
-    def leaf(self, batch: WriteBatch, victim: bytes) -> None:
+    def leaf(self, batch: Batch, victim: bytes) -> None:
         """Stages an eviction index entry (`victim_key`), and its tenant's copy."""
         batch.put(victim, b"")
         self.victim_floor = min(self.victim_floor, victim)
@@ -257,7 +272,7 @@ class BlockTable:
         if tid in self.tenant_floors:
             self.tenant_floors[tid] = min(self.tenant_floors[tid], mine)
 
-    def unleaf(self, batch: WriteBatch, victim: bytes) -> None:
+    def unleaf(self, batch: Batch, victim: bytes) -> None:
         """Stages the deletion of an eviction index entry and its tenant's copy."""
         batch.delete(victim)
         batch.delete(self.tenant_victim(victim))
@@ -266,14 +281,14 @@ class BlockTable:
         """An eviction index entry's copy in its tenant's eviction index."""
         return TENANT_VICTIM + self.usage.tenant_id(victim[-FULL:][:KEY_BYTES]) + victim[1:]
 
-    def expires(self, batch: WriteBatch, expiry: bytes) -> None:
+    def expires(self, batch: Batch, expiry: bytes) -> None:
         """Stages an expiry index entry (`expiry_key`)."""
         batch.put(expiry, b"")
         self.expiry_floor = min(self.expiry_floor, expiry)
 
     @staticmethod
-    def put_row(batch: WriteBatch, full: bytes, row: Row) -> None:
-        batch.put(row_key(full[:KEY_BYTES], row.slot), row.encode())
+    def put_row(batch: Batch, full: bytes, row: Row) -> None:
+        batch.put_row(full[:KEY_BYTES], row.slot, row.encode())
 
     def stored_chunks(self, row: Row) -> list[meta_pb2.StoredChunk]:
         return [meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
@@ -284,94 +299,118 @@ class BlockTable:
 
     def match(self, namespace_digest: bytes, keys: list[bytes]) -> tuple[bytes, int, bytes]:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
-        readable blocks from keys[0], how many blocks that is, and the first one's
-        location (framed as in the reply; b"" when none). Rows are read in slot
-        order from the first block's slot: while a prompt's blocks lie in consecutive slots this is one
-        range read; where the next row is not the next key's (a branch), one point
-        read finds where that block is. Each block's stored location goes into the
-        reply as it is unless one of its servers is down."""
+        readable blocks from keys[0], how many blocks that is, and their layout (the
+        first one's, serialized; b"" when none). The reply names the layout once and
+        no block's key: every block of a prompt has its parent's layout, and the keys
+        are the request's.
+
+        Rows are read a group of 64 slots at a time (groups.py) in slot order from
+        the first block's slot: while a prompt's blocks lie in consecutive slots,
+        each group's run of them is checked and copied into the reply with a few
+        slice operations; where the next key is not in the next slot (a branch),
+        one point read finds where that block is. Each block's stored location goes
+        into the reply as it is unless one of its group's servers is down."""
         now = self.clock()
         self.members.refresh_liveness()
         live = self.members.live_numbers
         parts: list[bytes] = []
         referenced: set[int] = set()
         db = self.db.db
-        opts = ReadOptions()
-        opts.set_iterate_upper_bound(row_bound(namespace_digest))  # this namespace's rows only
-        rows = db.iter(opts)  # not positioned yet: the first key is looked up like a branch
-        unpack = LOOKUP.unpack_from
-        all_live: set[bytes] = set()  # rows' server numbers (as stored) seen with every server live
-        for key in keys:
-            raw = rows.value() if rows.valid() else None
-            if raw is None or raw[:KEY_BYTES] != key:  # not in the next slot: look up where it is
-                slot = db.get(BLOCK + namespace_digest + key)
-                if slot is None:
+        want = b"".join(keys)
+        matched, slot, guessed, layout = 0, None, False, b""
+        hit: list[tuple[int, int, bytes]] = []  # runs matched: (group, first slot in it, their keys joined)
+        value, at = None, -1  # the group last read, and its number
+        while matched < len(keys):
+            if slot is None:  # not known to be in the next slot: look up where it is
+                raw = db.get(BLOCK + namespace_digest + keys[matched])
+                if raw is None:
                     break
-                rows.seek(row_key(namespace_digest, read_u64(slot)))
-                raw = rows.value() if rows.valid() else None
-                if raw is None or raw[:KEY_BYTES] != key:
-                    log.error("block %s points at slot %d, which holds no row of it", key.hex(), read_u64(slot))
-                    break
-            n, ttl, last_used = unpack(raw, KEY_BYTES)
-            if now > last_used + ttl and now > self.last_use(namespace_digest + key, last_used) + ttl:
-                break  # past its TTL, even counting from a hit not flushed yet
-            end = SERVERS + 2 * n  # the server numbers, then the ttl class name, then the location
-            numbers = raw[SERVERS:end]
-            if numbers in all_live:
-                parts.append(raw[end + 1 + raw[end] :])
-            else:
-                servers = struct.unpack(f"<{n}H", numbers)
-                if live.issuperset(servers):
-                    all_live.add(numbers)
-                    referenced.update(servers)
-                    parts.append(raw[end + 1 + raw[end] :])
-                else:
-                    framed = reframe_live(raw, end + 1 + raw[end], live)
-                    if framed is None:  # a chunk no live server holds
-                        break
-                    parts.append(framed)
-                    referenced.update(live.intersection(servers))
-            rows.next()
-        del rows
+                slot, guessed = read_u64(raw), False
+            group, offset = divmod(slot, GROUP_SLOTS)
+            if group != at:
+                value, at = db.get(group_key(namespace_digest, group)), group
+            most = min(GROUP_SLOTS - offset, len(keys) - matched)
+            run = groups.run_length(value, offset, want, matched, most) if value is not None else 0
+            if run == 0:
+                if guessed:
+                    slot = None
+                    continue
+                log.error("block %s points at slot %d, which holds no row of it", keys[matched].hex(), slot)
+                break
+            readable = self._readable(namespace_digest, value, offset, run, now, live, parts, referenced)
+            if readable and not matched:
+                layout = row_layout(groups.row_at(value, offset))
+            if readable:
+                hit.append((group, offset, want[KEY_BYTES * matched : KEY_BYTES * (matched + readable)]))
+            matched += readable
+            if readable < run:
+                break
+            slot, guessed = (slot + run, True) if offset + run == GROUP_SLOTS else (None, False)
         self.lookups += 1
         self.lookup_blocks_requested += len(keys)
-        self.lookup_blocks_matched += len(parts)
-        self._record_hits(namespace_digest, keys[: len(parts)], now)
-        return self._reply(parts, referenced), len(parts), parts[0] if parts else b""
+        self.lookup_blocks_matched += matched
+        if hit:
+            self.hits.record(namespace_digest, hit, now)
+        return self._reply(parts, referenced, matched, layout), matched, layout
 
-    def _record_hits(self, namespace_digest: bytes, matched: list[bytes], now: float) -> None:
-        """Remembers a lookup's hits until flush_hits writes them: in bulk, off the
-        per-block loop (a third of a 2,000-block match when done block by block)."""
-        if not matched:
-            return
-        if len(self.hits) >= MAX_PENDING_HITS:
-            self._hits_dropped += 1
-            if self._hits_dropped in (1, 1000, 1000_000):
-                log.warning("%d lookups' hits not recorded: %d blocks wait to be flushed", self._hits_dropped,
-                            len(self.hits))
-            return
-        fulls = list(map(namespace_digest.__add__, matched))
-        self.hits.update(zip(fulls, itertools.repeat(now)))
-        self.hit_counts.update(fulls)
+    def _readable(self, ns: bytes, value: bytes, offset: int, run: int, now: float, live: frozenset[int],
+                  parts: list[bytes], referenced: set[int]) -> int:
+        """Of the `run` blocks from slot `offset` of a group, how many from the first are
+        unexpired and readable; their locations go into `parts`, their servers into
+        `referenced`."""
+        expires = groups.expiry_times(value, offset, run)
+        if now > min(expires):  # past its TTL, unless hit since the last flush
+            for k, expiry in enumerate(expires):
+                if now > expiry:
+                    raw = groups.row_at(value, offset + k)
+                    if now > self.last_use(ns, raw) + LOOKUP.unpack_from(raw, KEY_BYTES)[1]:
+                        run = k
+                        break
+        if run == 0:
+            return 0
+        numbers = self._group_servers(value)
+        if live.issuperset(numbers):
+            referenced.update(numbers)
+            parts.append(groups.locations(value, offset, run))
+            return run
+        for k in range(offset, offset + run):  # some server is down: block by block, keeping live copies
+            raw = groups.row_at(value, k)
+            framed = reframe_live(raw, location_offset(raw), live)
+            if framed is None:  # a chunk no live server holds
+                return k - offset
+            parts.append(framed)
+            referenced.update(live.intersection(Row.decode(raw).servers))
+        return run
 
-    def _reply(self, parts: list[bytes], referenced: set[int]) -> bytes:
-        return b"".join(parts) + self.members.server_table(referenced) + reply_tail(len(parts))
+    def _group_servers(self, value: bytes) -> tuple[int, ...]:
+        numbers = groups.server_numbers(value)
+        return struct.unpack(f"<{len(numbers) // 2}H", numbers)
 
-    def flush_hits(self, limit: int = 4096) -> int:
-        """Writes up to `limit` blocks' recorded hits into their rows and indexes: a
-        later last use (the TTL counts from it) and a new rank. Returns blocks written."""
+    def _reply(self, parts: list[bytes], referenced: set[int], matched: int, layout: bytes) -> bytes:
+        return (b"".join(parts) + self.members.server_table(referenced) + (reply_layout(layout) if matched else b"")
+                + reply_tail(matched))
+
+    def flush_hits(self, limit: int = 4096, age: float = 0.0) -> int:
+        """Writes the hits recorded for some groups, those waiting at least `age`
+        seconds, at least `limit` blocks' worth where there are as many, into their rows
+        and indexes: a later last use (the TTL counts from it) and a new rank. Returns
+        blocks written."""
         if not self.hits:
             return 0
-        taken = list(itertools.islice(self.hits, limit))
-        pending = [(self.hit_counts.pop(f, 0), self.hits.pop(f)) for f in taken]
-        batch = WriteBatch(raw_mode=True)
-        raws = self.rows(taken)
-        rows = [Row.decode(r) if r is not None else None for r in raws]
-        old_victims = [victim_key(r.rank, r.last_used, r.depth, f) if r else b"" for f, r in zip(taken, rows)]
-        is_leaf = self.db.db.get(old_victims)
-        for full, row, (count, last), old_victim, leaf in zip(taken, rows, pending, old_victims, is_leaf):
-            if row is None:
-                continue  # gone meanwhile
+        taken = self.hits.take(limit, before=self.clock() - (0.0 if self.hits.filling else age))
+        values = self.db.db.get([group_key(ns, group) for ns, group, _ in taken])
+        updates = []  # (full key, row, lookups, last hit)
+        blocks = 0
+        for (ns, group, per_block), value in zip(taken, values):
+            blocks += len(per_block)
+            for (k, key), (count, last) in per_block.items():
+                raw = groups.row_at(value, k) if value is not None else None
+                if raw is not None and raw[:KEY_BYTES] == key:  # else gone meanwhile
+                    updates.append((ns + key, Row.decode(raw), count, last))
+        batch = Batch()
+        old_victims = [victim_key(r.rank, r.last_used, r.depth, f) for f, r, _, _ in updates]
+        is_leaf = self.db.db.get(old_victims) if old_victims else []
+        for (full, row, count, last), old_victim, leaf in zip(updates, old_victims, is_leaf):
             last = max(last, row.last_used)
             batch.delete(expiry_key(row.last_used + row.ttl, full))
             row.last_used, row.hits = last, row.hits + count
@@ -382,11 +421,11 @@ class BlockTable:
                 self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
             self.put_row(batch, full, row)
         self.db.write(batch)
-        return len(taken)
+        return blocks
 
     # ---- commit ----------------------------------------------------------
 
-    def add(self, batch: WriteBatch, new: list[tuple[bytes, Row]], replaced: dict[bytes, Row] | None = None,
+    def add(self, batch: Batch, new: list[tuple[bytes, Row]], replaced: dict[bytes, Row] | None = None,
             check_short: bool = False) -> list[meta_pb2.StoredChunk]:
         """Stages newly committed blocks (parents before children; each one's parent
         is committed or among `new`) with their index entries. `replaced` are the
@@ -468,7 +507,7 @@ class BlockTable:
         self._counters(batch)
         return garbage
 
-    def _trim_ghosts(self, batch: WriteBatch, consumed: set[bytes]) -> None:
+    def _trim_ghosts(self, batch: Batch, consumed: set[bytes]) -> None:
         """Forgets the oldest ghosts past the bound, at most GHOST_TRIM per call (a
         commit's worth of work; the next commits take the rest)."""
         over = min(GHOST_TRIM, self.ghosts - max(1024, int(self.ranks.ghost_factor * self.peak_blocks)))
@@ -494,7 +533,7 @@ class BlockTable:
         is left without children (a leaf now, an eviction candidate)."""
         b = staged.batch
         b.delete(BLOCK + full)
-        b.delete(row_key(full[:KEY_BYTES], row.slot))
+        b.delete_row(full[:KEY_BYTES], row.slot)
         b.delete(expiry_key(row.last_used + row.ttl, full))
         self.unleaf(b, victim_key(row.rank, row.last_used, row.depth, full))
         b.delete(SHORT + full)
@@ -555,7 +594,7 @@ class BlockTable:
             if len(children) < room:
                 self.stranded.popleft()
             self.write(staged)  # before the next scan, which must not see these children again
-            staged.batch = WriteBatch(raw_mode=True)
+            staged.batch = Batch()
         self.write(staged)
         self.stranded_dropped += len(staged.removed)
         return staged.chunks
@@ -570,10 +609,8 @@ class BlockTable:
         due = [k[-FULL:] for k in due_keys]
         staged = Staged()
         for full, raw in zip(due, self.rows(due)):
-            if full in self.hits:
-                continue  # hit meanwhile: flush_hits moves its expiry
-            if raw is None:
-                continue
+            if raw is None or self.hit_since_flush(full, raw):
+                continue  # gone, or hit meanwhile: flush_hits moves its expiry
             row = Row.decode(raw)
             if now > row.last_used + row.ttl:
                 self.remove(staged, full, row, stranding=True)
@@ -612,11 +649,14 @@ class BlockTable:
             key = heapq.heappop(heap)
             vkey = key if tenant is None else VICTIM + key[len(index) :]
             full = vkey[-FULL:]
-            if full in pinned or full in self.hits or full in staged.removed:
+            if full in pinned or full in staged.removed:
                 continue
             if tenant is not None and self.usage.tenant_of(full[:KEY_BYTES]) != tenant:
                 continue  # another tenant whose name hashes alike: not ours to evict
-            row = self.row(full)
+            (raw,) = self.rows([full])
+            if raw is not None and self.hit_since_flush(full, raw):
+                continue
+            row = Row.decode(raw) if raw is not None else None
             # a tenant's copy must have its entry in the main index: a leaf still (copies can outlive
             # their entries where a namespace's tenant became known after its blocks were cached)
             if row is None or (tenant is not None and vkey not in became and self.db.get(vkey) is None):
@@ -677,7 +717,7 @@ class BlockTable:
     def replicated(self, fulls: list[bytes]) -> None:
         """Takes blocks off repair's queue."""
         if fulls:
-            batch = WriteBatch(raw_mode=True)
+            batch = Batch()
             for f in fulls:
                 batch.delete(SHORT + f)
             self.db.write(batch)
@@ -697,9 +737,9 @@ class BlockTable:
         self._rewrite(full, row, loc)
         return True
 
-    def _rewrite(self, full: bytes, row: Row, loc: meta_pb2.BlockLocation, batch: WriteBatch | None = None) -> None:
+    def _rewrite(self, full: bytes, row: Row, loc: meta_pb2.BlockLocation, batch: Batch | None = None) -> None:
         own = batch is None
-        batch = WriteBatch(raw_mode=True) if own else batch
+        batch = Batch() if own else batch
         before = set(row.servers)
         row.set_location(loc)
         for n in before - set(row.servers):
@@ -716,7 +756,7 @@ class BlockTable:
         """Server number `server` removed these chunks (full key -> chunk ids). Returns
         (copies removed, blocks left with a chunk nobody holds)."""
         fulls = list(wanted)
-        batch = WriteBatch(raw_mode=True)
+        batch = Batch()
         removed, dead = 0, []
         for full, raw in zip(fulls, self.rows(fulls)):
             if raw is None:
@@ -750,12 +790,11 @@ class BlockTable:
                 now: float, created: float | None = None) -> Row:
         """A row for a block about to be committed; `chunks` are (chunk_id, offset,
         length, checksum, server numbers)."""
-        loc = meta_pb2.BlockLocation(key=full[KEY_BYTES:], layout=layout,
-                                     chunks=[meta_pb2.ChunkLocation(chunk_id=cid, offset=offset, length=length,
+        loc = meta_pb2.BlockLocation(chunks=[meta_pb2.ChunkLocation(chunk_id=cid, offset=offset, length=length,
                                                                     checksum=checksum, replicas=servers)
                                              for cid, offset, length, checksum, servers in chunks])
         return Row(ttl=int(self.ttl_of(ttl_class)), depth=0, hits=1, created=now if created is None else created,
                    last_used=now, rank=0.0, footprint=sum(slot_bytes(c[2]) for c in chunks),
                    nbytes=sum(c[2] for c in chunks), parent=parent,
                    servers=tuple(sorted({s for c in chunks for s in c[4]})), ttl_class=ttl_class,
-                   location=frame(loc), key=full[KEY_BYTES:])
+                   location=frame(loc), layout=layout.SerializeToString(), key=full[KEY_BYTES:])

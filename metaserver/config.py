@@ -66,6 +66,10 @@ class MetaserverConfig:
     gc_grace: float = duration_field(600.0, "an unreferenced chunk younger than this is left alone")
     repair_interval: float = duration_field(2.0, "how often servers back from silence are reconciled and "
                                             "chunks short of copies re-replicated")
+    hit_flush_delay: float = duration_field(10.0, "lookups' hits (last use, hit counts) are written into the "
+                                            "blocks' rows once they waited this long, coalesced: a hot prompt's "
+                                            "rows are rewritten once per this, not per lookup; a crash loses at "
+                                            "most this much of them (ranking and TTL precision, never data)")
     repair_rate: int = size_field(256 * MiB, "re-replication copies at most this many bytes per second")
     cache_size: int = size_field(256 * MiB, "RocksDB block cache: metadata kept in memory beyond the OS page "
                                  "cache (the metaserver holds nothing per block besides)")

@@ -26,6 +26,7 @@ import os
 
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch
 
+from . import groups
 from .records import COUNTER, FORMAT, FORMAT_KEY, read_u64, u64
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,29 @@ def successor(prefix: bytes) -> bytes | None:
     """The least key above every key that starts with `prefix` (None: no such key)."""
     stripped = prefix.rstrip(b"\xff")
     return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else None
+
+
+class Batch:
+    """One atomic change: a RocksDB WriteBatch, and the block rows it puts or
+    removes, which go into their row groups (groups.py) when it is written."""
+
+    __slots__ = ("wb", "rows")
+
+    def __init__(self):
+        self.wb = WriteBatch(raw_mode=True)
+        self.rows: dict[tuple[bytes, int], bytes | None] = {}  # (namespace digest, slot) -> row; None: removed
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.wb.put(key, value)
+
+    def delete(self, key: bytes) -> None:
+        self.wb.delete(key)
+
+    def put_row(self, namespace_digest: bytes, slot: int, raw: bytes) -> None:
+        self.rows[(namespace_digest, slot)] = raw
+
+    def delete_row(self, namespace_digest: bytes, slot: int) -> None:
+        self.rows[(namespace_digest, slot)] = None
 
 
 class MetaDB:
@@ -64,8 +88,10 @@ class MetaDB:
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
 
-    def write(self, batch: WriteBatch) -> None:
-        self.db.write(batch)
+    def write(self, batch: Batch) -> None:
+        if batch.rows:
+            groups.stage(self.db, batch.rows, batch.wb)
+        self.db.write(batch.wb)
         self._writes += 1
 
     def put(self, key: bytes, value: bytes) -> None:

@@ -5,7 +5,7 @@ entries, each a key whose order does a job, so every background pass is a
 range scan that starts where the work is:
 
     b ns key                  -> slot   where a block's row is (8 bytes)
-    l ns slot                 -> block row (below), at its slot
+    l ns group                -> the rows of slots 64 x group .. 64 x group + 63 (groups.py)
     c ns parent child         -> b""   children of a block: leaves, descendants
     x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
     v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
@@ -25,15 +25,19 @@ range scan that starts where the work is:
 (FULL bytes) names a block. Block keys are chained hashes, random by design, so
 rows are not stored under them: a block's row sits at a slot, a number given at
 commit, and a block takes the slot after its parent's when that one is free.
-A prompt's blocks so lie next to each other and a lookup reads them in one
-range (a branch costs one more point read), instead of a point read per block
-into random places: 2,000 consecutive rows read in about a fifth of the time. Numbers in keys are big-endian so byte order is
-numeric order; `rank` and `last` are floats mapped to sortable integers.
+A prompt's blocks so lie next to each other, 64 slots to a RocksDB value, and a
+lookup reads a group per 64 blocks (a branch costs one more point read) instead
+of a point read per block into random places. Numbers in keys are big-endian so
+byte order is numeric order; `rank` and `last` are floats mapped to sortable
+integers.
 
 A block row is the block key, a fixed header (what a lookup checks first), the
-distinct server numbers its chunks are on, then its BlockLocation already framed as field 2 of a MatchPrefixReply (chunk
-replicas as server numbers): a lookup checks the header and copies the rest
-into its reply without parsing a message per chunk.
+distinct server numbers its chunks are on, its ttl class and layout, then its
+chunks' locations already framed as field 2 of a MatchPrefixReply (a
+BlockLocation without key or layout, chunk replicas as server numbers): a
+lookup checks the header and copies the rest into its reply without parsing a
+message per chunk. A reply names the layout once (a block's layout is its
+parent's, allocations.py) and the keys not at all: they are the request's.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
 
-FORMAT = 4  # of this layout; a database of another format is refused at start
+FORMAT = 5  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -63,15 +67,6 @@ def sortable(x: float) -> bytes:
     """8 bytes whose byte order is the order of the floats (IEEE 754 with the sign flipped)."""
     (bits,) = struct.unpack(">Q", struct.pack(">d", x))
     return _U64.pack(bits ^ 0xFFFF_FFFF_FFFF_FFFF if bits >> 63 else bits | 1 << 63)
-
-
-def row_key(namespace_digest: bytes, slot: int) -> bytes:
-    return ROW + namespace_digest + _U64.pack(slot)
-
-
-def row_bound(namespace_digest: bytes) -> bytes:
-    """A key past every row of a namespace."""
-    return ROW + namespace_digest + b"\xff" * 8
 
 
 def child_key(parent_full: bytes, child_full: bytes) -> bytes:
@@ -138,6 +133,8 @@ def _varint(n: int) -> bytes:
 _KEY = KEY_BYTES
 LOOKUP = struct.Struct("<2xHId")  # (servers in the row, ttl, last use), read at offset KEY_BYTES
 _HEAD = struct.Struct("<BBHIdIIddQQQ16s")
+_SLOT = struct.Struct("<Q")
+_SLOT_AT = _KEY + struct.calcsize("<BBHIdIIddQQ")  # where the header holds the slot
 SERVERS = _KEY + _HEAD.size  # where the server numbers start, 2 bytes each; then the ttl class name
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
@@ -159,9 +156,10 @@ class Row:
     parent: bytes  # the parent's block key; b"": a prompt's first block
     servers: tuple[int, ...]  # distinct numbers of the servers holding a copy of some chunk
     ttl_class: str
-    location: bytes  # framed BlockLocation (see the module docstring)
+    location: bytes  # framed BlockLocation: its chunks only (see the module docstring)
+    layout: bytes = b""  # serialized BlockLayout
     key: bytes = b""  # the block key
-    slot: int = -1  # where the row is stored (row_key); given at commit
+    slot: int = -1  # where the row is stored (its group and place in it); given at commit
 
     def encode(self) -> bytes:
         n = len(self.servers)
@@ -170,7 +168,7 @@ class Row:
                           self.parent or bytes(KEY_BYTES))
         name = self.ttl_class.encode()
         return b"".join((self.key, head, struct.pack(f"<{n}H", *self.servers), bytes([len(name)]), name,
-                         self.location))
+                         _U16.pack(len(self.layout)), self.layout, self.location))
 
     @classmethod
     def decode(cls, raw: bytes) -> Row:
@@ -179,18 +177,48 @@ class Row:
         servers = struct.unpack_from(f"<{n}H", raw, SERVERS)
         at = SERVERS + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
+        layout_at = at + 1 + raw[at]
+        location_at = layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
-                   parent if flags & _HAS_PARENT else b"", servers, name, raw[at + 1 + raw[at] :], raw[:_KEY], slot)
+                   parent if flags & _HAS_PARENT else b"", servers, name, raw[location_at:],
+                   raw[layout_at + 2 : location_at], raw[:_KEY], slot)
 
     def block_location(self) -> meta_pb2.BlockLocation:
-        return meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]
+        """The block's location with its key and layout (a lookup's reply carries neither per block)."""
+        loc = meta_pb2.MatchPrefixReply.FromString(self.location).blocks[0]
+        loc.key = self.key
+        loc.layout.ParseFromString(self.layout)
+        return loc
 
     def set_location(self, loc: meta_pb2.BlockLocation) -> None:
-        self.location = frame(loc)
+        self.location = frame(loc, chunks_only=True)
         self.servers = tuple(sorted({s for c in loc.chunks for s in c.replicas}))
 
 
-def frame(loc: meta_pb2.BlockLocation) -> bytes:
+def location_offset(raw: bytes) -> int:
+    """Where a row (as stored) holds its framed location."""
+    at = SERVERS + 2 * LOOKUP.unpack_from(raw, KEY_BYTES)[0]
+    layout_at = at + 1 + raw[at]
+    return layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
+
+
+def row_layout(raw: bytes) -> bytes:
+    """A row's (as stored) serialized BlockLayout."""
+    at = SERVERS + 2 * LOOKUP.unpack_from(raw, KEY_BYTES)[0]
+    layout_at = at + 1 + raw[at]
+    return raw[layout_at + 2 : layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]]
+
+
+def row_slot(raw: bytes) -> int:
+    """The slot of a row as stored."""
+    return _SLOT.unpack_from(raw, _SLOT_AT)[0]
+
+
+def frame(loc: meta_pb2.BlockLocation, chunks_only: bool = False) -> bytes:
+    """A location framed as one MatchPrefixReply.blocks entry; `chunks_only`: without
+    its key and layout, as rows store it and lookups send it."""
+    if chunks_only and (loc.key or loc.HasField("layout")):
+        loc = meta_pb2.BlockLocation(chunks=loc.chunks)
     body = loc.SerializeToString()
     return _REPLY_BLOCK + _varint(len(body)) + body
 
@@ -205,7 +233,12 @@ def reframe_live(raw: bytes, offset: int, live: frozenset[int]) -> bytes | None:
             return None
         del c.replicas[:]
         c.replicas.extend(kept)
-    return frame(loc)
+    return frame(loc, chunks_only=True)
+
+
+def reply_layout(layout: bytes) -> bytes:
+    """MatchPrefixReply.layout (field 5) from a serialized BlockLayout."""
+    return b"\x2a" + _varint(len(layout)) + layout
 
 
 def reply_tail(matched: int) -> bytes:

@@ -19,8 +19,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from rocksdict import WriteBatch
-
 from kvfs.config import MiB
 from kvfs.errors import InvalidArgument, ResourceExhausted
 from kvfs.grants import owner_sealed, parse_owner, read_grant
@@ -30,7 +28,7 @@ from .allocations import Allocations, check_keys
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
-from .db import MetaDB
+from .db import Batch, MetaDB
 from .membership import Membership, ServerState
 
 log = logging.getLogger(__name__)
@@ -165,10 +163,10 @@ class MetaState:
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes], tenant: str = "") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is
         `tenant`'s; with `tenant`, the lookup is metered under it."""
-        reply, hit, first = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix", self.cfg.max_keys))
+        reply, hit, layout_bytes = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix",
+                                                                                  self.cfg.max_keys))
         if tenant:
-            # one layout per namespace (it names the model and cache format): the first block's is every block's
-            layout = layout_of(meta_pb2.MatchPrefixReply.FromString(first).blocks[0].layout) if hit else None
+            layout = layout_of(meta_pb2.BlockLayout.FromString(layout_bytes)) if hit else None
             self.blocks.usage.lookup(tenant, len(keys), hit, layout.block_tokens if layout else 0,
                                      layout.payload_bytes if layout else 0)
         if self.key is None:
@@ -297,18 +295,19 @@ class MetaState:
 
     # ---- background slices -----------------------------------------------
 
-    def flush_slice(self, limit: int = 4096) -> int:
-        return self.blocks.flush_hits(limit)
+    def flush_slice(self, limit: int = 4096, age: float = 0.0) -> int:
+        """Writes back up to about `limit` blocks' recorded hits that waited at least `age` seconds."""
+        return self.blocks.flush_hits(limit, age)
 
     def flush_usage(self) -> None:
         """Writes usage records changed by lookups alone (block writes carry theirs)."""
         if self.blocks.usage.dirty:
-            batch = WriteBatch(raw_mode=True)
+            batch = Batch()
             self.blocks.usage.stage(batch)
             self.db.write(batch)
 
     def flush_last_used(self) -> int:
-        """Writes every recorded hit (bounded by MAX_PENDING_HITS)."""
+        """Writes every recorded hit (bounded: hits.py)."""
         total = 0
         while n := self.blocks.flush_hits():
             total += n
@@ -478,7 +477,7 @@ class MetaState:
         block, so that the blocks can then be restored a slice at a time. Returns
         chunks staged (those without an owner record naming a block are skipped)."""
         server = self.servers[server_id].number
-        batch = WriteBatch(raw_mode=True)
+        batch = Batch()
         n = 0
         for info in chunks:
             owner = parse_owner(info.owner)
@@ -525,7 +524,7 @@ class MetaState:
             else:
                 new.append((full, row))
                 restored += 1
-        batch = WriteBatch(raw_mode=True)
+        batch = Batch()
         self.blocks.add(batch, new, check_short=True)
         for key in staged_keys:
             batch.delete(key)

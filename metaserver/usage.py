@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from rocksdict import WriteBatch
-
 from kvfs.grants import tenant_id
 from kvfs.proto import meta_pb2
 
-from .db import MetaDB
+from .db import Batch, MetaDB
 from .records import NAMESPACE, USAGE
 
 OTHER = "(other)"
@@ -117,7 +115,7 @@ class Usage:
 
     # ---- persistence and reports ---------------------------------------------
 
-    def stage(self, batch: WriteBatch) -> None:
+    def stage(self, batch: Batch) -> None:
         """Puts the records changed since the last stage() into `batch`."""
         for tenant in self.dirty:
             batch.put(USAGE + tenant.encode(), self.tenants[tenant].SerializeToString())

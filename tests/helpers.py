@@ -116,15 +116,18 @@ def flip_stored_byte(data_dir: pathlib.Path, chunk: bytes, at: int) -> str | Non
 def block_rows(state) -> dict:
     """Every block row a MetaState holds: full key -> records.Row. Checks that each
     row is where its block's slot entry points, and that no two share a slot."""
-    from kvfs.metaserver import records
+    from kvfs.metaserver import groups, records
 
     rows = {}
     for k, v in state.db.scan(records.ROW):
-        row = records.Row.decode(v)
-        full = k[1:17] + row.key
-        assert full not in rows, "a block has two rows"
-        assert k == records.row_key(k[1:17], row.slot), "a row's slot is not where it is stored"
-        rows[full] = row
+        assert groups.pack(groups.unpack(v)) == v, "a row group's keys, expiry, servers or ends are stale"
+        base = records.read_u64(k[-8:]) * groups.GROUP_SLOTS
+        for offset in groups.occupied(v):
+            row = records.Row.decode(groups.row_at(v, offset))
+            full = k[1:17] + row.key
+            assert full not in rows, "a block has two rows"
+            assert row.slot == base + offset, "a row's slot is not where it is stored"
+            rows[full] = row
     slots = {k[1:]: records.read_u64(v) for k, v in state.db.scan(records.BLOCK)}
     assert slots == {f: r.slot for f, r in rows.items()}, "slot entries and rows disagree"
     return rows

@@ -223,16 +223,18 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
-    __slots__ = ("matched", "blocks", "servers", "read_grant")
+    __slots__ = ("matched", "blocks", "servers", "read_grant", "layout")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     READ_GRANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     matched: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     servers: _containers.RepeatedCompositeFieldContainer[Server]
     read_grant: bytes
-    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., servers: _Optional[_Iterable[_Union[Server, _Mapping]]] = ..., read_grant: _Optional[bytes] = ...) -> None: ...
+    layout: BlockLayout
+    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., servers: _Optional[_Iterable[_Union[Server, _Mapping]]] = ..., read_grant: _Optional[bytes] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -17,6 +17,7 @@ import pytest
 from kvfs.metaserver.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver import records
+from kvfs.metaserver.db import Batch
 from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
 from kvfs.proto import meta_pb2
 
@@ -160,10 +161,13 @@ def test_blocks_stranded_by_a_crash_are_never_matched_and_go_at_their_ttl(make_s
     # in the database without their parent: as if keys[5] had gone alone
     gone = NS.digest + keys[5]
     row = state.blocks.row(gone)
-    for key in (records.BLOCK + gone, records.row_key(NS.digest, row.slot), records.expiry_key(row.last_used + row.ttl, gone),
+    for key in (records.BLOCK + gone, records.expiry_key(row.last_used + row.ttl, gone),
                 records.child_key(NS.digest + keys[4], gone),
                 *(records.replica_key(n, gone) for n in row.servers)):
         del state.db.db[key]
+    batch = Batch()
+    batch.delete_row(NS.digest, row.slot)
+    state.db.write(batch)
     state.close()
     state = make_state(clock, register=False)
     assert state.match(NS.digest, keys).matched == 5  # keys[6] and keys[7] are unreachable

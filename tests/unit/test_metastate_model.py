@@ -10,6 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvfs.keys import Namespace, block_keys
+from kvfs.metaserver import records
 from kvfs.metaserver.config import MetaserverConfig
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
@@ -110,8 +111,8 @@ def cached_run(state, clock, keys) -> int:
     n = 0
     for k in keys:
         full = NS.digest + k
-        row = state.blocks.row(full)
-        if row is None or clock.now > max(row.last_used, state.blocks.hits.get(full, 0.0)) + row.ttl:
+        (raw,) = state.blocks.rows([full])
+        if raw is None or clock.now > state.blocks.last_use(NS.digest, raw) + records.Row.decode(raw).ttl:
             break
         n += 1
     return n

@@ -1,0 +1,144 @@
+"""Rows stored 64 slots to a RocksDB value (metaserver/groups.py), the lookups that
+read them a group at a time, and hits recorded per run (metaserver/hits.py)."""
+
+import pytest
+
+from kvfs.errors import InvalidArgument
+from kvfs.keys import block_keys
+from kvfs.metaserver import groups
+from kvfs.metaserver.db import Batch
+from kvfs.metaserver.records import Row
+from kvfs.proto import meta_pb2
+
+from helpers import Clock, assert_metadata_consistent
+from test_metastate import LAYOUT_MSG, NS, slots, write
+
+
+class CountingReads:
+    """Stands in for a MetaDB's Rdict and counts the point reads made through it."""
+
+    def __init__(self, db):
+        self._db, self.gets = db, 0
+
+    def get(self, key, *args, **kw):
+        self.gets += 1
+        return self._db.get(key, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+def test_a_long_hit_reads_a_group_per_64_blocks_not_a_row_per_block(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(4 * 640), 4)
+    write(state, keys)
+    first = slots(state, keys[:1])[0] % groups.GROUP_SLOTS
+    counting = state.blocks.db.db = CountingReads(state.blocks.db.db)
+    assert state.match(NS.digest, keys).matched == 640
+    # the first key's slot, then the groups its run spans
+    assert counting.gets == 1 + (first + 640 + groups.GROUP_SLOTS - 1) // groups.GROUP_SLOTS
+
+
+def test_a_reply_names_the_layout_once_and_no_block_keys(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(4 * 70), 4)
+    alloc, _ = write(state, keys)
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 70 and reply.layout == LAYOUT_MSG
+    assert all(not b.key and not b.HasField("layout") for b in reply.blocks)
+    assert [[c.chunk_id for c in b.chunks] for b in reply.blocks] == \
+        [[c.chunk_id for c in b.chunks] for b in alloc.blocks]
+    assert not state.match(NS.digest, block_keys(NS, range(100, 140), 4)).HasField("layout")
+
+
+def test_a_block_must_have_its_parents_layout(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(16), 4)
+    write(state, keys[:2])
+    other = meta_pb2.BlockLayout(layers=8, block_tokens=4, kv_dim=8, dtype="bfloat16")
+    with pytest.raises(InvalidArgument, match="layout"):
+        state.allocate(NS.digest, keys[2:], other, keys[1])
+    write(state, keys[2:], parent=keys[1])  # the parent's layout is fine
+    assert state.match(NS.digest, keys).matched == 4
+
+
+def test_rows_of_one_group_changed_by_two_open_batches_both_land(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys)
+    a, b = (state.blocks.row(NS.digest + k) for k in keys)
+    assert a.slot // groups.GROUP_SLOTS == b.slot // groups.GROUP_SLOTS
+    first, second, dropped = Batch(), Batch(), Batch()
+    a.hits, b.hits = 5, 9
+    state.blocks.put_row(first, NS.digest + keys[0], a)
+    state.blocks.put_row(second, NS.digest + keys[1], b)
+    dropped.delete_row(NS.digest, a.slot)  # never written: changes nothing
+    state.db.write(second)
+    state.db.write(first)
+    assert [state.blocks.row(NS.digest + k).hits for k in keys] == [5, 9]
+    assert_metadata_consistent(state)
+
+
+def test_a_key_of_zeros_which_marks_empty_slots_is_refused(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys)
+    with pytest.raises(InvalidArgument, match="zero bytes"):
+        state.match(NS.digest, [keys[0], bytes(16)])
+    with pytest.raises(InvalidArgument, match="zero bytes"):
+        state.allocate(NS.digest, [bytes(16)], LAYOUT_MSG)
+
+
+def test_a_group_value_holds_its_rows_and_their_lookup_fields():
+    rows = [None] * groups.GROUP_SLOTS
+    for slot in (0, 5, 63):
+        row = Row(ttl=100, depth=0, hits=1, created=1.0, last_used=2.0 + slot, rank=0.0, footprint=1, nbytes=1,
+                  parent=b"", servers=(3, 7 + slot), ttl_class="chat", location=b"\x12\x02\x1a\x00",
+                  layout=LAYOUT_MSG.SerializeToString(), key=bytes([slot + 1]) * 16, slot=slot)
+        rows[slot] = row.encode()
+    value = groups.pack(rows)
+    assert groups.unpack(value) == rows and groups.occupied(value) == [0, 5, 63]
+    assert groups.expiry_times(value, 5, 1) == (107.0,)
+    assert groups.locations(value, 0, 6) == b"\x12\x02\x1a\x00" * 2
+    assert groups.pack([None] * groups.GROUP_SLOTS) is None
+    assert groups.run_length(value, 0, bytes([1]) * 16 + bytes([6]) * 16, 0, 2) == 1  # slot 1 holds no row
+    assert groups.run_length(value, 5, bytes([6]) * 16, 0, 1) == 1
+
+
+def test_hits_wait_their_delay_then_move_the_rows_last_use(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    t0 = clock.now
+    write(state, keys, ttl_class="short")  # 10 s
+    clock.now += 9
+    assert state.match(NS.digest, keys).matched == 2
+    clock.now += 6  # 15 s after the commit: past the stored last use's TTL, not the hit's
+    assert state.flush_slice(64, age=10) == 0  # the hit waited 6 s
+    assert state.blocks.row(NS.digest + keys[0]).last_used == t0
+    assert state.expire_slice(64) == 0  # the hit not yet written keeps them
+    assert state.match(NS.digest, keys).matched == 2
+    clock.now += 4
+    assert state.flush_slice(64, age=10) == 2
+    assert [state.blocks.row(NS.digest + k).last_used for k in keys] == [t0 + 15, t0 + 15]  # the later hit
+    assert_metadata_consistent(state)
+
+
+def test_a_hit_recorded_on_a_slot_is_not_credited_to_a_block_given_that_slot_later(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    other = block_keys(NS, list(range(4)) + [99] * 4, 4)  # the same first block, another second
+    t0 = clock.now
+    write(state, keys)
+    clock.now += 5
+    assert state.match(NS.digest, keys).matched == 2
+    state.blocks.drop([NS.digest + keys[1]])
+    clock.now += 1
+    write(state, other[1:], parent=other[0])
+    state.flush_last_used()
+    row = state.blocks.row(NS.digest + other[1])
+    assert row.slot == state.blocks.row(NS.digest + keys[0]).slot + 1  # keys[1]'s slot, given again
+    assert (row.hits, row.last_used) == (1, t0 + 6)  # its own commit; keys[1]'s hit is not its
+    assert state.blocks.row(NS.digest + keys[0]).last_used == t0 + 5
+    assert_metadata_consistent(state)
