@@ -32,7 +32,7 @@ NS = Namespace("bench", "faults")
 
 
 def _holders_ok(match, replicas: int, dead: str) -> bool:
-    return all(len(c.replicas) >= replicas and all(match.servers[i].id != dead for i in c.replicas)
+    return all(len(held := match.holders(c)) >= replicas and all(s.id != dead for s in held)
                for b in match.blocks for c in b.chunks)
 
 

@@ -62,6 +62,11 @@ class PrefixMatch:
     def tokens(self) -> int:
         return self.matched * self.block_tokens
 
+    def holders(self, chunk) -> list[ServerInfo]:
+        """The live servers holding a copy of `chunk` (a ChunkLocation of `blocks`); a
+        replica on a server that is down has an empty entry in `servers`."""
+        return [s for s in map(self.servers.__getitem__, chunk.replicas) if s.address]
+
     @property
     def nbytes(self) -> int:
         return sum(c.length for b in self.blocks for c in b.chunks)

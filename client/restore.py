@@ -121,7 +121,7 @@ class Restore:
                 spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, c.checksum,
                                 layout.scatter(sub, b, tokens),
                                 Fence() if hedging is not None and len(c.replicas) > 1 else None, match.read_grant)
-                items.append(_Item(b, spec, need, [match.servers[i] for i in c.replicas]))
+                items.append(_Item(b, spec, need, match.holders(c)))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))
         self._left = len(items)  # items not yet in the buffer

@@ -369,17 +369,25 @@ class BlockTable:
         if run == 0:
             return 0
         numbers = self._group_servers(value)
-        if live.issuperset(numbers):
+        down = len(numbers) - len(live.intersection(numbers))
+        if down < groups.fewest_copies(value) or not down:
+            # every chunk keeps a live copy: the locations as stored (the reply's server
+            # table has an empty entry for a server that is down, which readers skip)
             referenced.update(numbers)
             parts.append(groups.locations(value, offset, run))
             return run
-        for k in range(offset, offset + run):  # some server is down: block by block, keeping live copies
+        for k in range(offset, offset + run):  # some chunk may have no live copy: block by block
             raw = groups.row_at(value, k)
-            framed = reframe_live(raw, location_offset(raw), live)
-            if framed is None:  # a chunk no live server holds
-                return k - offset
-            parts.append(framed)
-            referenced.update(live.intersection(Row.decode(raw).servers))
+            at = location_offset(raw)
+            servers = Row.decode(raw).servers
+            if live.issuperset(servers):
+                parts.append(raw[at:])
+            else:
+                framed = reframe_live(raw, at, live)
+                if framed is None:  # a chunk no live server holds
+                    return k - offset
+                parts.append(framed)
+            referenced.update(live.intersection(servers))
         return run
 
     def _group_servers(self, value: bytes) -> tuple[int, ...]:
@@ -797,4 +805,5 @@ class BlockTable:
                    last_used=now, rank=0.0, footprint=sum(slot_bytes(c[2]) for c in chunks),
                    nbytes=sum(c[2] for c in chunks), parent=parent,
                    servers=tuple(sorted({s for c in chunks for s in c[4]})), ttl_class=ttl_class,
-                   location=frame(loc), layout=layout.SerializeToString(), key=full[KEY_BYTES:])
+                   location=frame(loc), layout=layout.SerializeToString(), key=full[KEY_BYTES:],
+                   copies=min((len(c[4]) for c in chunks), default=0))

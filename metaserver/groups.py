@@ -20,6 +20,7 @@ A group's value:
     expires   64 x f64        last use + ttl (0.0: no row)
     loc_ends  65 x u32        where each slot's location ends in `locs` (entry 0 is 0)
     rest_ends 65 x u32        the same for `rests`
+    copies    u8              the fewest servers any chunk of the group's rows is on
     servers   u16 count, then u16 numbers: every server some row of the group names
     locs      the rows' framed BlockLocations, in slot order (records.py)
     rests     the rows without their locations, in slot order
@@ -33,14 +34,15 @@ import struct
 
 from kvfs.keys import KEY_BYTES
 
-from .records import LOOKUP, ROW, SERVERS, location_offset, u64
+from .records import LOOKUP, ROW, SERVERS, location_offset, row_copies, u64
 
 GROUP_SLOTS = 64
 _KEYS = 0
 _EXPIRES = GROUP_SLOTS * KEY_BYTES
 _LOC_ENDS = _EXPIRES + GROUP_SLOTS * 8
 _REST_ENDS = _LOC_ENDS + (GROUP_SLOTS + 1) * 4
-_NSERVERS = _REST_ENDS + (GROUP_SLOTS + 1) * 4
+_COPIES = _REST_ENDS + (GROUP_SLOTS + 1) * 4
+_NSERVERS = _COPIES + 1
 _SERVERS = _NSERVERS + 2
 _EXPIRY_ALL = struct.Struct(f"<{GROUP_SLOTS}d")
 _ENDS = struct.Struct(f"<{GROUP_SLOTS + 1}I")
@@ -62,7 +64,7 @@ def pack(rows: list[bytes | None]) -> bytes | None:
     """The value of a group whose 64 slots hold these rows (None: no row); None if it holds none."""
     if not any(rows):
         return None
-    keys, expires, locs, rests, servers = [], [], [], [], set()
+    keys, expires, locs, rests, servers, copies = [], [], [], [], set(), 255
     loc_ends, rest_ends = [0], [0]
     for raw in rows:
         if raw is None:
@@ -76,13 +78,14 @@ def pack(rows: list[bytes | None]) -> bytes | None:
         keys.append(raw[:KEY_BYTES])
         expires.append(last_used + ttl)
         servers.update(struct.unpack_from(f"<{n}H", raw, SERVERS))
+        copies = min(copies, row_copies(raw))
         locs.append(raw[at:])
         rests.append(raw[:at])
         loc_ends.append(loc_ends[-1] + len(raw) - at)
         rest_ends.append(rest_ends[-1] + at)
     numbers = sorted(servers)
     return b"".join((*keys, _EXPIRY_ALL.pack(*expires), _ENDS.pack(*loc_ends), _ENDS.pack(*rest_ends),
-                     _U16.pack(len(numbers)), struct.pack(f"<{len(numbers)}H", *numbers), *locs, *rests))
+                     bytes([copies]), _U16.pack(len(numbers)), struct.pack(f"<{len(numbers)}H", *numbers), *locs, *rests))
 
 
 def _areas(value: bytes) -> tuple[int, int]:
@@ -138,6 +141,11 @@ def expiry_times(value: bytes, offset: int, m: int) -> tuple[float, ...]:
 def server_numbers(value: bytes) -> bytes:
     """The group's server numbers, as stored (u16 each): a key for memoizing liveness."""
     return value[_SERVERS : _SERVERS + 2 * _U16.unpack_from(value, _NSERVERS)[0]]
+
+
+def fewest_copies(value: bytes) -> int:
+    """The fewest servers any chunk of the group's rows is on."""
+    return value[_COPIES]
 
 
 def locations(value: bytes, offset: int, m: int) -> bytes:

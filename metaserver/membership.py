@@ -161,10 +161,12 @@ class Membership:
         return [self.by_number[n].record.id for n in numbers if n in self.by_number]
 
     def server_table(self, referenced: set[int]) -> bytes:
-        """MatchPrefixReply.servers indexed by server number, empty where no block refers."""
+        """MatchPrefixReply.servers indexed by server number: empty where no block refers,
+        and where the server is not live (readers skip replicas there)."""
         if not referenced:
             return b""
-        return b"".join(self._entries[n] if n in referenced else records.server_entry(None)
+        live = self.live_numbers
+        return b"".join(self._entries[n] if n in referenced and n in live else records.server_entry(None)
                         for n in range(max(referenced) + 1))
 
     def capacity_bytes(self) -> int:

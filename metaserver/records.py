@@ -129,12 +129,13 @@ def _varint(n: int) -> bytes:
 
 
 # key; then version, flags, servers in the row, ttl, last use (what a lookup reads);
-# then depth, hits, created, rank, footprint, payload bytes, slot, parent
+# then depth, hits, created, rank, footprint, payload bytes, slot, parent, copies
 _KEY = KEY_BYTES
 LOOKUP = struct.Struct("<2xHId")  # (servers in the row, ttl, last use), read at offset KEY_BYTES
-_HEAD = struct.Struct("<BBHIdIIddQQQ16s")
+_HEAD = struct.Struct("<BBHIdIIddQQQ16sB")
 _SLOT = struct.Struct("<Q")
 _SLOT_AT = _KEY + struct.calcsize("<BBHIdIIddQQ")  # where the header holds the slot
+_COPIES_AT = _KEY + struct.calcsize("<BBHIdIIddQQQ16s")  # and the fewest copies of a chunk
 SERVERS = _KEY + _HEAD.size  # where the server numbers start, 2 bytes each; then the ttl class name
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
@@ -160,12 +161,13 @@ class Row:
     layout: bytes = b""  # serialized BlockLayout
     key: bytes = b""  # the block key
     slot: int = -1  # where the row is stored (its group and place in it); given at commit
+    copies: int = 0  # the fewest servers any of its chunks is on (at most 255)
 
     def encode(self) -> bytes:
         n = len(self.servers)
         head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, n, self.ttl, self.last_used, self.depth, self.hits,
                           self.created, self.rank, self.footprint, self.nbytes, self.slot,
-                          self.parent or bytes(KEY_BYTES))
+                          self.parent or bytes(KEY_BYTES), min(self.copies, 255))
         name = self.ttl_class.encode()
         return b"".join((self.key, head, struct.pack(f"<{n}H", *self.servers), bytes([len(name)]), name,
                          _U16.pack(len(self.layout)), self.layout, self.location))
@@ -173,7 +175,7 @@ class Row:
     @classmethod
     def decode(cls, raw: bytes) -> Row:
         (_, flags, n, ttl, last_used, depth, hits, created, rank, footprint, nbytes, slot,
-         parent) = _HEAD.unpack_from(raw, _KEY)
+         parent, copies) = _HEAD.unpack_from(raw, _KEY)
         servers = struct.unpack_from(f"<{n}H", raw, SERVERS)
         at = SERVERS + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
@@ -181,7 +183,7 @@ class Row:
         location_at = layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
                    parent if flags & _HAS_PARENT else b"", servers, name, raw[location_at:],
-                   raw[layout_at + 2 : location_at], raw[:_KEY], slot)
+                   raw[layout_at + 2 : location_at], raw[:_KEY], slot, copies)
 
     def block_location(self) -> meta_pb2.BlockLocation:
         """The block's location with its key and layout (a lookup's reply carries neither per block)."""
@@ -193,6 +195,7 @@ class Row:
     def set_location(self, loc: meta_pb2.BlockLocation) -> None:
         self.location = frame(loc, chunks_only=True)
         self.servers = tuple(sorted({s for c in loc.chunks for s in c.replicas}))
+        self.copies = min((len(c.replicas) for c in loc.chunks), default=0)
 
 
 def location_offset(raw: bytes) -> int:
@@ -212,6 +215,11 @@ def row_layout(raw: bytes) -> bytes:
 def row_slot(raw: bytes) -> int:
     """The slot of a row as stored."""
     return _SLOT.unpack_from(raw, _SLOT_AT)[0]
+
+
+def row_copies(raw: bytes) -> int:
+    """The fewest servers a chunk of a row (as stored) is on."""
+    return raw[_COPIES_AT]
 
 
 def frame(loc: meta_pb2.BlockLocation, chunks_only: bool = False) -> bytes:

@@ -17,7 +17,7 @@ MLA = BlockLayout.mla()
 
 def holders(match) -> list[set[str]]:
     """Server ids holding each chunk of each matched block."""
-    return [{match.servers[i].id for i in c.replicas} for b in match.blocks for c in b.chunks]
+    return [{s.id for s in match.holders(c)} for b in match.blocks for c in b.chunks]
 
 
 async def test_dead_server_is_detected_re_replicated_and_reconciled_on_return(local_cluster):

@@ -78,7 +78,7 @@ def hosts():
 
 
 def holders(match) -> list[set[str]]:
-    return [{match.servers[i].id for i in c.replicas} for b in match.blocks for c in b.chunks]
+    return [{s.id for s in match.holders(c)} for b in match.blocks for c in b.chunks]
 
 
 async def test_host_cut_off_mid_restore_is_read_around_detected_healed_and_reconciled(hosts, tmp_path):

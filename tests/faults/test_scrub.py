@@ -32,7 +32,7 @@ async def written(cluster, client):
 
 def holders(match, block: int) -> list[str]:
     (chunk,) = match.blocks[block].chunks
-    return sorted(match.servers[i].id for i in chunk.replicas)
+    return sorted(s.id for s in match.holders(chunk))
 
 
 def server(cluster, sid: str):

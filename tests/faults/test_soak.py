@@ -129,7 +129,7 @@ async def replication_gaps(client: Client, prompts) -> int:
     gaps = 0
     for tokens in prompts:
         m = await client.lookup(NS, tokens)
-        gaps += sum(len({m.servers[r].id for r in c.replicas}) < REPLICAS for b in m.blocks for c in b.chunks)
+        gaps += sum(len(m.holders(c)) < REPLICAS for b in m.blocks for c in b.chunks)
     return gaps
 
 

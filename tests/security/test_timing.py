@@ -38,8 +38,8 @@ PROMPTS = 8
 # 256-block hit timed with the client's key hashing (12 ms for 1,024 blocks here, and as
 # variable) was so close to a miss that the control fell to p 8e-5. The probes now time
 # the RPC alone, as an attacker who hashes ahead would.
-BLOCKS = 512
-PROBES = 300  # per kind
+BLOCKS = 1024
+PROBES = 500  # per kind: with 300, a control of D 0.2 (seen inside full runs) gave p 1e-5
 
 
 async def timed(stub, ns, tokens) -> tuple[float, int]:

@@ -142,3 +142,31 @@ def test_a_hit_recorded_on_a_slot_is_not_credited_to_a_block_given_that_slot_lat
     assert (row.hits, row.last_used) == (1, t0 + 6)  # its own commit; keys[1]'s hit is not its
     assert state.blocks.row(NS.digest + keys[0]).last_used == t0 + 5
     assert_metadata_consistent(state)
+
+
+def test_a_server_down_leaves_its_replicas_in_the_reply_with_an_empty_server_entry(make_state):
+    clock = Clock()
+    state = make_state(clock, heartbeat_timeout=5)
+    keys = block_keys(NS, range(4 * 70), 4)
+    alloc, _ = write(state, keys)
+    clock.now += 6  # cs-2 goes silent
+    for sid in ("cs-0", "cs-1"):
+        state.heartbeat(meta_pb2.HeartbeatRequest(server_id=sid))
+        state.reconciled(sid)  # back from silence: live once reconciled (metaserver/repair.py)
+    down = state.servers["cs-2"].number
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 70  # every chunk has two copies: one is live
+    assert reply.servers[down].address == "" and all(s.address for i, s in enumerate(reply.servers) if i != down)
+    placed = {c.chunk_id: set(c.servers) for b in alloc.blocks for c in b.chunks}
+    for block in reply.blocks:
+        for c in block.chunks:
+            assert {reply.servers[i].id for i in c.replicas} - {""} == placed[c.chunk_id] - {"cs-2"}
+    # the locations went out as stored, not rebuilt block by block without cs-2's copies
+    assert any(down in c.replicas for b in reply.blocks for c in b.chunks)
+    # a chunk left with its copy on cs-2 alone is unreadable now: the match ends at its block
+    victim = next(i for i, b in enumerate(alloc.blocks) if i > 3 and "cs-2" in b.chunks[0].servers)
+    chunk = alloc.blocks[victim].chunks[0]
+    (other,) = set(chunk.servers) - {"cs-2"}
+    owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=keys[victim], chunk_index=0)
+    state.chunks_lost(other, [(chunk.chunk_id, owner)])
+    assert state.match(NS.digest, keys).matched == victim
