@@ -114,7 +114,7 @@ class Ranks:
 class Staged:
     """One batch of removals: what it deletes, and what to do once written."""
 
-    batch: Batch = field(default_factory=lambda: Batch())
+    batch: Batch = field(default_factory=Batch)
     removed: dict[bytes, Row] = field(default_factory=dict)
     gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
@@ -368,7 +368,7 @@ class BlockTable:
                         break
         if run == 0:
             return 0
-        numbers = self._group_servers(value)
+        numbers = groups.server_numbers(value)
         down = len(numbers) - len(live.intersection(numbers))
         if down < groups.fewest_copies(value) or not down:
             # every chunk keeps a live copy: the locations as stored (the reply's server
@@ -389,10 +389,6 @@ class BlockTable:
                 parts.append(framed)
             referenced.update(live.intersection(servers))
         return run
-
-    def _group_servers(self, value: bytes) -> tuple[int, ...]:
-        numbers = groups.server_numbers(value)
-        return struct.unpack(f"<{len(numbers) // 2}H", numbers)
 
     def _reply(self, parts: list[bytes], referenced: set[int], matched: int, layout: bytes) -> bytes:
         return (b"".join(parts) + self.members.server_table(referenced) + (reply_layout(layout) if matched else b"")

@@ -37,7 +37,6 @@ from kvfs.keys import KEY_BYTES
 from .records import LOOKUP, ROW, SERVERS, location_offset, row_copies, u64
 
 GROUP_SLOTS = 64
-_KEYS = 0
 _EXPIRES = GROUP_SLOTS * KEY_BYTES
 _LOC_ENDS = _EXPIRES + GROUP_SLOTS * 8
 _REST_ENDS = _LOC_ENDS + (GROUP_SLOTS + 1) * 4
@@ -53,11 +52,6 @@ NO_KEY = bytes(KEY_BYTES)
 
 def group_key(namespace_digest: bytes, group: int) -> bytes:
     return ROW + namespace_digest + u64(group)
-
-
-def group_bound(namespace_digest: bytes) -> bytes:
-    """A key past every group of a namespace."""
-    return ROW + namespace_digest + b"\xff" * 8
 
 
 def pack(rows: list[bytes | None]) -> bytes | None:
@@ -85,12 +79,18 @@ def pack(rows: list[bytes | None]) -> bytes | None:
         rest_ends.append(rest_ends[-1] + at)
     numbers = sorted(servers)
     return b"".join((*keys, _EXPIRY_ALL.pack(*expires), _ENDS.pack(*loc_ends), _ENDS.pack(*rest_ends),
-                     bytes([copies]), _U16.pack(len(numbers)), struct.pack(f"<{len(numbers)}H", *numbers), *locs, *rests))
+                     bytes([copies]), _U16.pack(len(numbers)), struct.pack(f"<{len(numbers)}H", *numbers),
+                     *locs, *rests))
+
+
+def _locs_at(value: bytes) -> int:
+    """Where `locs` starts."""
+    return _SERVERS + 2 * _U16.unpack_from(value, _NSERVERS)[0]
 
 
 def _areas(value: bytes) -> tuple[int, int]:
     """Where `locs` and `rests` start."""
-    locs = _SERVERS + 2 * _U16.unpack_from(value, _NSERVERS)[0]
+    locs = _locs_at(value)
     return locs, locs + _PAIR.unpack_from(value, _LOC_ENDS + 4 * GROUP_SLOTS)[0]
 
 
@@ -138,9 +138,9 @@ def expiry_times(value: bytes, offset: int, m: int) -> tuple[float, ...]:
     return struct.unpack_from(f"<{m}d", value, _EXPIRES + 8 * offset)
 
 
-def server_numbers(value: bytes) -> bytes:
-    """The group's server numbers, as stored (u16 each): a key for memoizing liveness."""
-    return value[_SERVERS : _SERVERS + 2 * _U16.unpack_from(value, _NSERVERS)[0]]
+def server_numbers(value: bytes) -> tuple[int, ...]:
+    """The numbers of every server some row of the group names."""
+    return struct.unpack_from(f"<{_U16.unpack_from(value, _NSERVERS)[0]}H", value, _SERVERS)
 
 
 def fewest_copies(value: bytes) -> int:
@@ -150,7 +150,7 @@ def fewest_copies(value: bytes) -> int:
 
 def locations(value: bytes, offset: int, m: int) -> bytes:
     """The framed locations of slots offset .. offset + m - 1, joined."""
-    locs = _SERVERS + 2 * _U16.unpack_from(value, _NSERVERS)[0]
+    locs = _locs_at(value)
     start = _PAIR.unpack_from(value, _LOC_ENDS + 4 * offset)[0]
     end = _PAIR.unpack_from(value, _LOC_ENDS + 4 * (offset + m))[0]
     return value[locs + start : locs + end]

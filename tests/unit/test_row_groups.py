@@ -7,6 +7,7 @@ from kvfs.errors import InvalidArgument
 from kvfs.keys import block_keys
 from kvfs.metaserver import groups
 from kvfs.metaserver.db import Batch
+from kvfs.metaserver.hits import PendingHits
 from kvfs.metaserver.records import Row
 from kvfs.proto import meta_pb2
 
@@ -170,3 +171,19 @@ def test_a_server_down_leaves_its_replicas_in_the_reply_with_an_empty_server_ent
     owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=keys[victim], chunk_index=0)
     state.chunks_lost(other, [(chunk.chunk_id, owner)])
     assert state.match(NS.digest, keys).matched == victim
+
+
+def test_pending_hits_are_bounded_and_written_without_waiting_once_half_full(caplog):
+    hits = PendingHits(max_runs=4, max_blocks=1000)
+    ns, run = b"n" * 16, bytes([7]) * 16 * 3  # a run of three blocks
+    hits.record(ns, [(0, 0, run), (1, 0, run)], now=1.0)
+    hits.record(ns, [(0, 0, run)], now=2.0)  # the same run again: counted, no new entry
+    assert (hits.runs, len(hits), hits.filling) == (2, 6, False)
+    assert hits.of(ns, 1, bytes([7]) * 16) == (2, 2.0) and hits.of(ns, 3, bytes([7]) * 16) is None
+    hits.record(ns, [(2, 0, run)], now=3.0)
+    assert hits.filling  # past half the runs: flush_hits no longer waits for hit_flush_delay
+    hits.record(ns, [(3, 0, run), (4, 0, run)], now=4.0)  # past the bound: not recorded, logged
+    assert hits.runs == 3 and hits.dropped == 1 and "not recorded" in caplog.text
+    assert [g for _, g, _ in hits.take(1, before=1.5)] == [0]  # the longest waiting first, by `before`
+    assert hits.take(100, before=2.0) == [(ns, 1, {(k, bytes([7]) * 16): [1, 1.0] for k in range(3)})]
+    assert [g for _, g, _ in hits.take(100)] == [2] and not hits and len(hits) == 0
