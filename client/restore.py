@@ -118,10 +118,11 @@ class Restore:
                 lo = max(span.offset, need[0] * layout.layer_bytes)
                 hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
+                holders = match.holders(c)
                 spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, c.checksum,
                                 layout.scatter(sub, b, tokens),
-                                Fence() if hedging is not None and len(c.replicas) > 1 else None, match.read_grant)
-                items.append(_Item(b, spec, need, match.holders(c)))
+                                Fence() if hedging is not None and len(holders) > 1 else None, match.read_grant)
+                items.append(_Item(b, spec, need, holders))
                 self._remaining.update(need)
         items.sort(key=lambda it: (it.layers[0], it.block))
         self._left = len(items)  # items not yet in the buffer

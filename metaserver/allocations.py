@@ -298,10 +298,15 @@ class Allocations:
         parent_present = dict(zip(outside, self.blocks.live_rows([namespace_digest + p for p in outside])))
         new: dict[bytes, Row] = {}
         already = 0
-        for block, full, existing in zip(blocks, fulls, present):
+        for block, full, existing, old in zip(blocks, fulls, present, stored):
             chunks = chunks_by_key.pop(block.key)
             if existing is not None:
                 already += 1  # first writer wins; this writer's chunks are garbage
+                garbage += chunks
+                continue
+            if old is not None and not same_layout(old, alloc.record.layout):
+                # expired, not removed yet, and its children (which a replacement keeps) have the old
+                # layout: a lookup would serve them under this one. Written again once expiry removed it
                 garbage += chunks
                 continue
             parent = parents[block.key]

@@ -37,11 +37,12 @@ from .groups import GROUP_SLOTS, group_key
 from .hits import PendingHits
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
                       VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_key,
-                      replica_prefix, reply_layout, reply_tail, row_layout, row_slot, u64, victim_key)
+                      replica_prefix, reply_layout, reply_tail, row_layout, row_parent, row_slot, u64, victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
 
+LOOKUP_GROUP_BYTES = 8 << 20  # groups one lookup keeps once read
 SLOT_SPAN = 1 << 16  # slots between two prompts' first blocks: room for a prompt to grow in place
 GHOST_TRIM = 256  # ghosts one commit may forget
 
@@ -320,15 +321,22 @@ class BlockTable:
         matched, slot, guessed, layout = 0, None, False, b""
         hit: list[tuple[int, int, bytes]] = []  # runs matched: (group, first slot in it, their keys joined)
         value, at = None, -1  # the group last read, and its number
+        # groups read, kept for a request that comes back to one (a branch, or keys out of any
+        # prompt's order): each is read once, not once per key
+        seen: dict[int, bytes] = {}
+        seen_bytes = 0
         while matched < len(keys):
-            if slot is None:  # not known to be in the next slot: look up where it is
+            branch = slot is None
+            if branch:  # not known to be in the next slot: look up where it is
                 raw = db.get(BLOCK + namespace_digest + keys[matched])
                 if raw is None:
                     break
                 slot, guessed = read_u64(raw), False
             group, offset = divmod(slot, GROUP_SLOTS)
             if group != at:
-                value, at = db.get(group_key(namespace_digest, group)), group
+                value, at = seen.get(group) or db.get(group_key(namespace_digest, group)), group
+                if value is not None and group not in seen and seen_bytes + len(value) <= LOOKUP_GROUP_BYTES:
+                    seen[group], seen_bytes = value, seen_bytes + len(value)
             most = min(GROUP_SLOTS - offset, len(keys) - matched)
             run = groups.run_length(value, offset, want, matched, most) if value is not None else 0
             if run == 0:
@@ -337,6 +345,8 @@ class BlockTable:
                     continue
                 log.error("block %s points at slot %d, which holds no row of it", keys[matched].hex(), slot)
                 break
+            if branch and matched and row_parent(groups.row_at(value, offset)) not in (keys[matched - 1], b""):
+                break  # the child of another block than the one before it: no prompt goes on here
             readable = self._readable(namespace_digest, value, offset, run, now, live, parts, referenced)
             if readable and not matched:
                 layout = row_layout(groups.row_at(value, offset))
@@ -401,7 +411,8 @@ class BlockTable:
         blocks written."""
         if not self.hits:
             return 0
-        taken = self.hits.take(limit, before=self.clock() - (0.0 if self.hits.filling else age))
+        now = self.clock()
+        taken = self.hits.take(limit, now - (0.0 if self.hits.filling else age), now)
         values = self.db.db.get([group_key(ns, group) for ns, group, _ in taken])
         updates = []  # (full key, row, lookups, last hit)
         blocks = 0

@@ -66,7 +66,7 @@ class PendingHits:
                 self.blocks += len(keys) // KEY_BYTES
             else:
                 entry[0] += 1
-                entry[1] = now
+                entry[1] = max(entry[1], now)
 
     def of(self, ns: bytes, slot: int, key: bytes) -> tuple[int, float] | None:
         """(lookups, last hit) recorded for the block `key` in `slot`, or None."""
@@ -86,14 +86,16 @@ class PendingHits:
         """Past half the bounds: time to write hits back without waiting for them to age."""
         return self.runs > self.max_runs // 2 or self.blocks > self.max_blocks // 2
 
-    def take(self, limit: int, before: float = float("inf")) -> list[tuple[bytes, int, dict[tuple[int, bytes], list]]]:
-        """Removes whole groups' hits that began waiting by `before`, the longest
-        waiting first, at least `limit` blocks' worth where there are as many:
-        (namespace digest, group, (slot in group, key) -> [lookups, last hit])."""
+    def take(self, limit: int, before: float = float("inf"),
+             now: float = float("inf")) -> list[tuple[bytes, int, dict[tuple[int, bytes], list]]]:
+        """Removes whole groups' hits that began waiting by `before` (or after `now`:
+        the clock stepped back), the longest waiting first, at least `limit` blocks'
+        worth where there are as many: (namespace digest, group, (slot in group, key)
+        -> [lookups, last hit])."""
         out, blocks = [], 0
         while self._groups and blocks < limit:
             ns, group = name = next(iter(self._groups))
-            if self._since[name] > before:
+            if before < self._since[name] <= now:
                 break
             entries = self._groups.pop(name)
             del self._since[name]

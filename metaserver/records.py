@@ -135,7 +135,8 @@ LOOKUP = struct.Struct("<2xHId")  # (servers in the row, ttl, last use), read at
 _HEAD = struct.Struct("<BBHIdIIddQQQ16sB")
 _SLOT = struct.Struct("<Q")
 _SLOT_AT = _KEY + struct.calcsize("<BBHIdIIddQQ")  # where the header holds the slot
-_COPIES_AT = _KEY + struct.calcsize("<BBHIdIIddQQQ16s")  # and the fewest copies of a chunk
+_PARENT_AT = _SLOT_AT + 8  # the parent's key
+_COPIES_AT = _PARENT_AT + KEY_BYTES  # and the fewest copies of a chunk
 SERVERS = _KEY + _HEAD.size  # where the server numbers start, 2 bytes each; then the ttl class name
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
@@ -215,6 +216,11 @@ def row_layout(raw: bytes) -> bytes:
 def row_slot(raw: bytes) -> int:
     """The slot of a row as stored."""
     return _SLOT.unpack_from(raw, _SLOT_AT)[0]
+
+
+def row_parent(raw: bytes) -> bytes:
+    """The parent's block key of a row as stored (b"": a prompt's first block)."""
+    return raw[_PARENT_AT : _PARENT_AT + KEY_BYTES] if raw[_KEY + 1] & _HAS_PARENT else b""
 
 
 def row_copies(raw: bytes) -> int:

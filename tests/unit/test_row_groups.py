@@ -187,3 +187,60 @@ def test_pending_hits_are_bounded_and_written_without_waiting_once_half_full(cap
     assert [g for _, g, _ in hits.take(1, before=1.5)] == [0]  # the longest waiting first, by `before`
     assert hits.take(100, before=2.0) == [(ns, 1, {(k, bytes([7]) * 16): [1, 1.0] for k in range(3)})]
     assert [g for _, g, _ in hits.take(100)] == [2] and not hits and len(hits) == 0
+
+
+def test_an_expired_block_written_again_with_another_layout_never_serves_its_childrens_bytes(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys[:1], ttl_class="short")  # P: 10 s
+    write(state, keys[1:], ttl_class="chat", parent=keys[0])  # C under it, kept while P is replaced
+    clock.now += 11  # P expired, not removed yet
+    other = meta_pb2.BlockLayout(layers=2, block_tokens=4, kv_dim=16, dtype="bfloat16")  # as many bytes
+    alloc = state.allocate(NS.digest, keys[:1], other)
+    req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+    req.blocks.add(key=keys[0], chunk_checksums=[7] * len(alloc.blocks[0].chunks))
+    committed, _, garbage = state.commit(NS.digest, req)
+    assert committed == 0 and {c.chunk_id for c in garbage} == {c.chunk_id for c in alloc.blocks[0].chunks}
+    assert state.match(NS.digest, keys).matched == 0  # P stays expired: no block is served under `other`
+    write(state, keys[:1], ttl_class="chat")  # with its children's layout it is written again
+    reply = state.match(NS.digest, keys)
+    assert reply.matched == 2 and reply.layout == LAYOUT_MSG
+    assert_metadata_consistent(state)
+
+
+def test_a_lookup_goes_on_at_a_branch_only_to_a_child_of_the_block_before_it(make_state):
+    state = make_state()
+    a = block_keys(NS, range(8), 4)
+    b = block_keys(NS, range(100, 108), 4)
+    write(state, a)
+    write(state, b)
+    assert state.match(NS.digest, a + b).matched == 4  # b[0] is a prompt's first block: a root goes on
+    assert state.match(NS.digest, a + b[1:]).matched == 2  # b[1] is b[0]'s child, not a[1]'s
+    assert_metadata_consistent(state)
+
+
+def test_a_lookup_that_keeps_coming_back_to_a_group_reads_it_once(make_state):
+    state = make_state()
+    a = block_keys(NS, range(4), 4)
+    b = block_keys(NS, range(100, 104), 4)
+    write(state, a)
+    write(state, b)
+    counting = state.blocks.db.db = CountingReads(state.blocks.db.db)
+    assert state.match(NS.digest, (a + b) * 50).matched == 100  # two roots, back and forth
+    assert counting.gets == 100 + 2  # a slot read per key, each group once
+
+
+def test_hits_waiting_since_before_the_clock_stepped_back_are_written_all_the_same(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys)
+    clock.now += 5
+    assert state.match(NS.digest, keys).matched == 2
+    hit_at = clock.now
+    clock.now -= 3600  # the wall clock steps back an hour
+    assert state.match(NS.digest, keys).matched == 2
+    clock.now += 60
+    assert state.flush_slice(64, age=10) == 2  # not held back until the clock passes the first hit again
+    assert state.blocks.row(NS.digest + keys[0]).last_used == hit_at
