@@ -209,12 +209,17 @@ def test_an_expired_block_written_again_with_another_layout_never_serves_its_chi
     assert_metadata_consistent(state)
 
 
-def test_a_lookup_goes_on_at_a_branch_only_to_a_child_of_the_block_before_it(make_state):
-    state = make_state()
-    a = block_keys(NS, range(8), 4)
-    b = block_keys(NS, range(100, 108), 4)
+def two_prompts(state, blocks: int) -> tuple[list[bytes], list[bytes]]:
+    """The keys of two prompts written, each its own run of slots."""
+    a, b = block_keys(NS, range(4 * blocks), 4), block_keys(NS, range(100, 100 + 4 * blocks), 4)
     write(state, a)
     write(state, b)
+    return a, b
+
+
+def test_a_lookup_goes_on_at_a_branch_only_to_a_child_of_the_block_before_it(make_state):
+    state = make_state()
+    a, b = two_prompts(state, 2)
     assert state.match(NS.digest, a + b).matched == 4  # b[0] is a prompt's first block: a root goes on
     assert state.match(NS.digest, a + b[1:]).matched == 2  # b[1] is b[0]'s child, not a[1]'s
     assert_metadata_consistent(state)
@@ -222,10 +227,7 @@ def test_a_lookup_goes_on_at_a_branch_only_to_a_child_of_the_block_before_it(mak
 
 def test_a_lookup_that_keeps_coming_back_to_a_group_reads_it_once(make_state):
     state = make_state()
-    a = block_keys(NS, range(4), 4)
-    b = block_keys(NS, range(100, 104), 4)
-    write(state, a)
-    write(state, b)
+    a, b = two_prompts(state, 1)
     counting = state.blocks.db.db = CountingReads(state.blocks.db.db)
     assert state.match(NS.digest, (a + b) * 50).matched == 100  # two roots, back and forth
     assert counting.gets == 100 + 2  # a slot read per key, each group once
