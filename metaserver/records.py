@@ -180,8 +180,7 @@ class Row:
         servers = struct.unpack_from(f"<{n}H", raw, SERVERS)
         at = SERVERS + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
-        layout_at = at + 1 + raw[at]
-        location_at = layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
+        layout_at, location_at = _layout_span(raw)
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
                    parent if flags & _HAS_PARENT else b"", servers, name, raw[location_at:],
                    raw[layout_at + 2 : location_at], raw[:_KEY], slot, copies)
@@ -199,18 +198,22 @@ class Row:
         self.copies = min((len(c.replicas) for c in loc.chunks), default=0)
 
 
+def _layout_span(raw: bytes) -> tuple[int, int]:
+    """Where a row (as stored) holds its layout's length, and where its framed location starts."""
+    at = SERVERS + 2 * LOOKUP.unpack_from(raw, KEY_BYTES)[0]  # the ttl class name
+    layout_at = at + 1 + raw[at]
+    return layout_at, layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
+
+
 def location_offset(raw: bytes) -> int:
     """Where a row (as stored) holds its framed location."""
-    at = SERVERS + 2 * LOOKUP.unpack_from(raw, KEY_BYTES)[0]
-    layout_at = at + 1 + raw[at]
-    return layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]
+    return _layout_span(raw)[1]
 
 
 def row_layout(raw: bytes) -> bytes:
     """A row's (as stored) serialized BlockLayout."""
-    at = SERVERS + 2 * LOOKUP.unpack_from(raw, KEY_BYTES)[0]
-    layout_at = at + 1 + raw[at]
-    return raw[layout_at + 2 : layout_at + 2 + _U16.unpack_from(raw, layout_at)[0]]
+    layout_at, location_at = _layout_span(raw)
+    return raw[layout_at + 2 : location_at]
 
 
 def row_slot(raw: bytes) -> int:
