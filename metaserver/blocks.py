@@ -119,6 +119,7 @@ class Staged:
     removed: dict[bytes, Row] = field(default_factory=dict)
     gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
+    parents: dict[bytes, bytes] = field(default_factory=dict)  # parents' rows read here (eviction pops them next)
 
 
 class Slots:
@@ -571,9 +572,11 @@ class BlockTable:
         gone.add(ck)
         if parent in staged.removed or self.db.has_prefix(CHILD + parent, gone):
             return None
-        prow = self.row(parent)
-        if prow is None:
+        (raw,) = self.rows([parent])
+        if raw is None:
             return None
+        staged.parents[parent] = raw
+        prow = Row.decode(raw)
         vkey = victim_key(prow.rank, prow.last_used, prow.depth, parent)
         self.leaf(b, vkey)
         return vkey
@@ -647,8 +650,10 @@ class BlockTable:
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         while freed < nbytes and len(staged.removed) < limit:
             if not exhausted and (not heap or heap[0] >= cursor):
-                scanned = [k for k, _ in self.db.scan(index, start=cursor, limit=256)]
-                exhausted = len(scanned) < 256
+                # a slice's worth and some (most victims after the first are parents that became leaves)
+                want = min(256, 2 * limit + 16)
+                scanned = [k for k, _ in self.db.scan(index, start=cursor, limit=want)]
+                exhausted = len(scanned) < want
                 if scanned:
                     if cursor == floor:  # what lies below is deleted entries only
                         floor = scanned[0]
@@ -668,7 +673,7 @@ class BlockTable:
                 continue
             if tenant is not None and self.usage.tenant_of(full[:KEY_BYTES]) != tenant:
                 continue  # another tenant whose name hashes alike: not ours to evict
-            (raw,) = self.rows([full])
+            raw = staged.parents.pop(full, None) or self.rows([full])[0]
             if raw is not None and self.hit_since_flush(full, raw):
                 continue
             row = Row.decode(raw) if raw is not None else None

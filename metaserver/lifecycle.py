@@ -235,8 +235,11 @@ class Lifecycle:
                 self.state.flush_usage()
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                if await self.drain(self.state.evict_slice, SLICE, room=True):
-                    await self._delete_queued()
+                evicted = await self.drain(self.state.evict_slice, SLICE, room=True)
+                # a full delete queue stops eviction until a delete pass empties it: that pass now,
+                # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
+                if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():
+                    self.delete_soon()
             except Exception:
                 log.exception("flush round failed")
 

@@ -67,7 +67,9 @@ async def run_steps_async(steps, gate: asyncio.Lock):
         await asyncio.sleep(0)
 
 
-MAX_QUEUED_DELETES = 1 << 20  # chunk copies waiting for deletion; background removals pause past it
+# Chunk copies waiting for deletion (about 100 B of memory each); background removals pause past it
+# until the delete pass (started at once) has sent them.
+MAX_QUEUED_DELETES = 1 << 18
 
 __all__ = ["MetaState", "Repair", "ServerState"]
 
@@ -84,6 +86,7 @@ class MetaState:
         self.undeleted: dict[str, dict[bytes, int]] = {}  # server id -> chunk id -> bytes: deletes to send
         self.undeleted_bytes: dict[str, int] = {}  # server id -> the sum of its undeleted bytes
         self.queued_deletes = 0
+        self.deletes_left_to_gc = 0  # deletes for servers that were down with full queues (orphan GC's)
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
@@ -267,20 +270,32 @@ class MetaState:
         return n
 
     def queue_deletes(self, chunks: Iterable[meta_pb2.StoredChunk]) -> None:
-        """Chunks to delete from the servers they list; Lifecycle sends the deletes."""
+        """Chunks to delete from the servers they list; Lifecycle sends the deletes. A
+        server that is not live holds its queue until it is back; past MAX_QUEUED_DELETES
+        copies its further deletes are left to orphan GC, which finds them unreferenced."""
+        live = self.members.live_numbers
         for c in chunks:
             for sid in c.servers:
                 queued = self.undeleted.setdefault(sid, {})
-                if c.chunk_id not in queued:
-                    queued[c.chunk_id] = c.length
-                    self.undeleted_bytes[sid] = self.undeleted_bytes.get(sid, 0) + c.length
-                    self.queued_deletes += 1
-                    if sid in self.servers:
-                        self.servers[sid].freeing_bytes += c.length
+                if c.chunk_id in queued:
+                    continue
+                server = self.servers.get(sid)
+                if len(queued) >= MAX_QUEUED_DELETES and (server is None or server.number not in live):
+                    self.deletes_left_to_gc += 1
+                    continue
+                queued[c.chunk_id] = c.length
+                self.undeleted_bytes[sid] = self.undeleted_bytes.get(sid, 0) + c.length
+                self.queued_deletes += 1
+                if server is not None:
+                    server.freeing_bytes += c.length
 
     def deletes_backed_up(self) -> bool:
-        """Too many deletes queued: background removals wait for the delete pass."""
-        return self.queued_deletes >= MAX_QUEUED_DELETES
+        """Too many deletes queued for live servers: background removals wait for the
+        delete pass. (Queues of servers that are down do not count: they wait for their
+        server, and would stop eviction for as long.)"""
+        live = self.members.live_numbers
+        return sum(len(q) for sid, q in self.undeleted.items()
+                   if (s := self.servers.get(sid)) is not None and s.number in live) >= MAX_QUEUED_DELETES
 
     def deleted(self, server_id: str, chunk_ids: Iterable[bytes]) -> None:
         """A server acknowledged these deletes (its next heartbeat shows the space free)."""

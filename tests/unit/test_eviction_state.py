@@ -384,3 +384,34 @@ def test_servers_gone_silent_between_an_allocations_pieces_fail_it_cleanly(make_
             pass
     assert all(s.pending_bytes == 0 for s in state.servers.values())  # the pieces placed were undone
     assert not state.allocations.open and not state.allocations.placing
+
+
+def test_deletes_queued_for_a_server_that_is_down_never_stop_eviction(make_state, monkeypatch):
+    """A dead server's deletes wait for it, but only up to the queue's bound (the rest are
+    orphan GC's once it is back), and they do not count towards the bound that pauses
+    background eviction: else one server down would stop eviction until it returned."""
+    from kvfs.metaserver import state as state_module
+
+    monkeypatch.setattr(state_module, "MAX_QUEUED_DELETES", 4)
+    clock = Clock()
+    state = make_state(clock, heartbeat_timeout=5)
+    for i in range(9):  # 40 blocks of the 48 three servers hold
+        clock.now = 1000 + i
+        for sid in state.servers:
+            state.heartbeat(meta_pb2.HeartbeatRequest(server_id=sid))
+        serve(state, conversation(i))
+    for _ in range(2):
+        clock.now += 3
+        for sid in ("cs-0", "cs-1"):  # cs-2 went silent: the cache is two servers' now, 32 blocks
+            state.heartbeat(meta_pb2.HeartbeatRequest(server_id=sid))
+    state.refresh_liveness()
+    assert set(state.live_servers()) == {"cs-0", "cs-1"} and state.over_high()
+    slices = 0
+    while not state.deletes_backed_up() and state.evict_slice(limit=2):  # what the background pass does
+        slices += 1
+        for sid in ("cs-0", "cs-1"):  # and its delete pass, which skips servers that are down
+            state.deleted(sid, list(state.undeleted.get(sid, {})))
+    assert state.cache_bytes <= 0.8 * state.capacity_bytes(), f"eviction stopped after {slices} slices"
+    assert not state.deletes_backed_up()
+    assert len(state.undeleted["cs-2"]) == 4 and state.deletes_left_to_gc > 0  # held for its return, bounded
+    assert_consistent(state)
