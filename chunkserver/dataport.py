@@ -40,13 +40,14 @@ import mmap
 import os
 import socket
 import socketserver
+import ssl
 import stat
 import struct
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from kvfs import wire
+from kvfs import tls, wire
 from kvfs.buffers import PAGE, address_of
 from kvfs.errors import KvfsError, PermissionDenied
 from kvfs.grants import require_read_grant
@@ -63,6 +64,7 @@ FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor per re
 MAX_CONNECTIONS = 256
 SEND_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
+TLS_READ = 1 << 20  # bytes read from the page cache at a time for a TLS connection (no sendfile through TLS)
 
 
 class _Closed(Exception):
@@ -100,6 +102,9 @@ def _fail_range(reply: wire.RangeResult, code: int, message: str) -> None:
 
 
 def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # a kernel timeout would leave the TLS layer retrying forever
+        sock.settimeout(seconds)
+        return
     whole = int(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
@@ -119,7 +124,10 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, fds:
                 raise BlockingIOError("request deadline passed")
             _set_recv_timeout(sock, max(left, 0.001))
         if fds is None:
-            k = sock.recv_into(view[got:], n - got)
+            try:
+                k = sock.recv_into(view[got:], n - got)
+            except TimeoutError:  # a TLS socket's timeout: as the kernel's on a plain one
+                raise BlockingIOError("receive timed out") from None
         else:
             k, ancillary, _, _ = sock.recvmsg_into([view[got:]], FD_SPACE)
             for level, kind, data in ancillary:
@@ -149,22 +157,48 @@ class _Handler(socketserver.BaseRequestHandler):
         self.fds: list[int] = []  # descriptors received with the request being read (local socket only)
         self.reads = self.server.reads["local" if self.local else "tcp"]
         self.shm_reads = self.server.reads["shm"]
+        self.tls = not self.local and self.server.tls is not None
         if self.local:
             self.client_address = local_peer(self.sock)[1]
         else:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        if self.tls:  # the handshake is handle()'s, within the request deadline
+            self.sock = self.server.tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
         # blocking syscalls with kernel timeouts: a Python-level timeout would put
         # a poll() before every send and sendfile
         self.sock.settimeout(None)
         _set_recv_timeout(self.sock, IDLE_TIMEOUT)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
 
+    def _handshake(self) -> bool:
+        """TLS over TCP: the caller must present a certificate of the cluster's CA with
+        a role (auth.DATA_PORT_RULES), within the request deadline."""
+        try:
+            self.sock.settimeout(self.server.request_timeout)
+            self.sock.do_handshake()
+            caller = tls.socket_identity(self.sock)
+        except (OSError, ValueError) as err:  # ssl.SSLError and timeouts are OSErrors
+            log.warning("data port: TLS handshake with %s failed (%s); closing", self.client_address, err)
+            self.store.counters.rejected_requests += 1
+            return False
+        if caller is None or not caller.roles:
+            log.warning("data port: %s presented a certificate with no role (%s); closing", self.client_address,
+                        caller)
+            self.store.counters.rejected_requests += 1
+            return False
+        self.client_address = f"{self.client_address[0]} {caller}"
+        return True
+
     def handle(self) -> None:
+        if self.tls and not self._handshake():
+            return
         peer = self.client_address
         try:
             while True:
                 fds = self.fds if self.local else None
+                if self.tls:
+                    _set_recv_timeout(self.sock, IDLE_TIMEOUT)
                 try:
                     first = _recv_exact(self.sock, 1, fds=fds)
                 except (_Closed, BlockingIOError):
@@ -182,7 +216,8 @@ class _Handler(socketserver.BaseRequestHandler):
                                     peer, self.server.request_timeout)
                         self.store.counters.rejected_requests += 1
                         return
-                    _set_recv_timeout(self.sock, IDLE_TIMEOUT)
+                    # the next request may be a while; over TLS the timeout also bounds the sends
+                    _set_recv_timeout(self.sock, SEND_TIMEOUT if self.tls else IDLE_TIMEOUT)
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
                     else:
@@ -277,6 +312,15 @@ class _Handler(socketserver.BaseRequestHandler):
         reads.served(nbytes, time.perf_counter() - arrived)
 
     def _sendfile(self, fd: int, offset: int, count: int) -> None:
+        if self.tls:  # the bytes must pass through the TLS layer: read, then encrypt and send
+            while count:
+                data = os.pread(fd, min(count, TLS_READ), offset)
+                if not data:
+                    raise _Closed()
+                self.sock.sendall(data)
+                offset += len(data)
+                count -= len(data)
+            return
         out = self.sock.fileno()
         while count:
             sent = os.sendfile(out, fd, offset, count)
@@ -385,8 +429,10 @@ class DataServer(socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], store: ChunkStore, reads: dict[str, TransportReads],
-                 request_timeout: float = 10.0, peer_connections: int = 64, cluster_key: bytes | None = None):
+                 request_timeout: float = 10.0, peer_connections: int = 64, cluster_key: bytes | None = None,
+                 tls_context: ssl.SSLContext | None = None):
         self.store = store
+        self.tls = tls_context  # TCP connections speak mutual TLS; None: --insecure, plaintext
         self.reads = reads  # by transport (metrics.TRANSPORTS)
         self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
@@ -477,6 +523,7 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, name: str, port: DataServer):
         self.port = port
         self.store, self.cluster_key, self.pool, self.reads = port.store, port.cluster_key, port.pool, port.reads
+        self.tls = None  # the kernel vouches for a local peer; nothing on the local socket leaves the host
         self.request_timeout = port.request_timeout
         super().__init__(name, _Handler)
 
@@ -490,10 +537,12 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
 
 def start_data_server(listen: str, store: ChunkStore, reads: dict[str, TransportReads],
                       request_timeout: float = 10.0, peer_connections: int = 64,
-                      cluster_key: bytes | None = None) -> DataServer:
+                      cluster_key: bytes | None = None, credentials: tls.Credentials | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store, reads, request_timeout, peer_connections, cluster_key)
+    server = DataServer((host, int(port)), store, reads, request_timeout, peer_connections, cluster_key,
+                        credentials.ssl_context(server=True) if credentials is not None else None)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
-    log.info("data port serving on %s (%s reads)", server.address,
-             "sendfile" if store.io_mode == "buffered" else "io_uring")
+    log.info("data port serving on %s (%s reads; TCP %s)", server.address,
+             "sendfile" if store.io_mode == "buffered" else "io_uring",
+             "over mutual TLS" if credentials is not None else "in PLAINTEXT (--insecure)")
     return server

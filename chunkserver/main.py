@@ -36,7 +36,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
     metrics = ChunkMetrics(registry)
     host = cfg.listen.rsplit(":", 1)[0]
     data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics.reads, cfg.data_request_timeout,
-                              cfg.data_peer_connections, key) if cfg.data_listen != "off" else None)
+                              cfg.data_peer_connections, key, creds) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     advertised = cfg.advertise or address

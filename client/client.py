@@ -105,7 +105,8 @@ class Client:
 
     `credentials` (kvfs.tls.Credentials: a worker certificate naming the tenants
     this process may act for, its key and the cluster CA) authenticate every gRPC
-    call; without them the client reads KVFS_CLIENT_TLS_CA / _CERT / _KEY (or
+    call and every data-port connection over TCP (mutual TLS there too; the local
+    socket of shared-memory reads needs none); without them the client reads KVFS_CLIENT_TLS_CA / _CERT / _KEY (or
     KVFS_CONFIG's [client] table). `insecure=True` speaks plaintext, to a cluster
     started with --insecure only.
     """
@@ -119,10 +120,11 @@ class Client:
         self.credentials = resolve_credentials(credentials, insecure)
         self.metaserver = metaserver
         self.transport = transport
+        data_tls = self.credentials.ssl_context(server=False) if self.credentials is not None else None
         self._transports: dict[str, Transport] = {
             "grpc": GrpcTransport(self.chunkserver),
-            "tcp": TcpTransport(data_connections),
-            "shm": ShmTransport(data_connections),
+            "tcp": TcpTransport(data_connections, data_tls),
+            "shm": ShmTransport(data_connections, data_tls),
         }
         self.block_tokens = block_tokens
         self.per_server_reads = per_server_reads

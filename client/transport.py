@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import socket
+import ssl
 import struct
 import threading
 from dataclasses import dataclass
@@ -116,9 +117,88 @@ class Transport(Protocol):
         reads fail, and ranges they were receiving are released to other readers."""
 
 
-def _connect(address: str, local: bool) -> socket.socket:
+class TlsSocket:
+    """A client's TLS connection over a socket, through memory BIOs: one thread sends
+    requests while another receives replies, which one ssl.SSLSocket must not be
+    used for (OpenSSL's connection state is not safe to share between threads).
+    Offers the few socket calls _Connection makes."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, host: str):
+        self.sock, self.family = sock, sock.family
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._in, self._out, server_hostname=host)
+        self._state = threading.Lock()  # the TLS connection's state
+        self._sending = threading.Lock()  # the socket's send side: records leave in the order they were made
+        sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            while True:
+                try:
+                    self._tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    self.sock.sendall(self._out.read())
+                    self._feed()
+            self.sock.sendall(self._out.read())
+        finally:
+            sock.settimeout(None)
+
+    def _feed(self) -> bool:
+        data = self.sock.recv(1 << 18)
+        if not data:
+            return False
+        with self._state:
+            self._in.write(data)
+        return True
+
+    def _flush(self) -> None:
+        with self._sending:
+            with self._state:
+                records = self._out.read()
+            self.sock.sendall(records)
+
+    def sendall(self, data) -> None:
+        with self._sending:
+            with self._state:
+                self._tls.write(data)
+                records = self._out.read()
+            self.sock.sendall(records)
+
+    def recv_into(self, view: memoryview, n: int = 0, flags: int = 0) -> int:
+        """Up to n bytes (0: len(view)); 0 once the server closed."""
+        n = n or len(view)
+        while True:
+            with self._state:
+                try:
+                    got = self._tls.read(n, view)
+                except ssl.SSLWantReadError:
+                    got = None
+                except ssl.SSLZeroReturnError:
+                    return 0
+                answer = self._out.pending  # a post-handshake message wants an answer
+            if answer:
+                self._flush()
+            if got is not None:
+                return got
+            if not self._feed():
+                return 0
+
+    def recvmsg_into(self, views, ancbufsize: int = 0, flags: int = 0):
+        return self.recv_into(views[0]), [], 0, None
+
+    def setsockopt(self, *args) -> None:
+        self.sock.setsockopt(*args)
+
+    def shutdown(self, how: int) -> None:
+        self.sock.shutdown(how)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _connect(address: str, local: bool, context: ssl.SSLContext | None = None) -> socket.socket | TlsSocket:
     """A data connection: to the port's local socket when asked and there is one
-    (shared memory needs it), else over TCP."""
+    (shared memory needs it), else over TCP: mutual TLS with `context`, plaintext
+    without (--insecure)."""
     if local:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -134,7 +214,13 @@ def _connect(address: str, local: bool) -> socket.socket:
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    if context is None:
+        return sock
+    try:
+        return TlsSocket(sock, context, host.strip("[]"))
+    except (OSError, ValueError):
+        sock.close()
+        raise
 
 
 def is_local(address: str) -> bool:
@@ -232,9 +318,9 @@ class _Connection:
     """One data-port connection: requests sent from the event loop, replies
     drained by a thread that places the bytes and then completes futures."""
 
-    def __init__(self, address: str, shm_regions: int = 0, arena=None):
+    def __init__(self, address: str, shm_regions: int = 0, arena=None, tls: ssl.SSLContext | None = None):
         self.address = address
-        self.sock = _connect(address, local=bool(shm_regions))
+        self.sock = _connect(address, bool(shm_regions), tls)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
         self.pending: dict[int, _Pending] = {}
@@ -464,8 +550,9 @@ class TcpTransport:
     name = "tcp"
     shm_regions = 0
 
-    def __init__(self, connections: int = 2):
+    def __init__(self, connections: int = 2, tls: ssl.SSLContext | None = None):
         self.connections = connections
+        self.tls = tls  # mutual TLS over TCP (the local socket needs none); None: plaintext, --insecure
         self._conns: dict[str, list[_Connection]] = {}
         self._regions: dict[int, asyncio.Queue] = {}
         self._opening: dict[str, asyncio.Lock] = {}
@@ -481,7 +568,7 @@ class TcpTransport:
                 try:
                     conn = await asyncio.get_running_loop().run_in_executor(
                         None, _Connection, address, self.shm_regions,
-                        current_arena() if self.shm_regions else None)
+                        current_arena() if self.shm_regions else None, self.tls)
                 except (OSError, KvfsError) as err:
                     if not conns:
                         raise Unavailable(f"cannot open a data connection to {address}: {err}") from None

@@ -55,12 +55,15 @@ RULES: dict[str, frozenset[str]] = {
     _HEALTH + "List": frozenset({SERVER, WORKER, ADMIN}),
 }
 
-# The chunkserver's data port (kvfs/wire.py) is not behind TLS: it knows no caller,
-# so every read carries the read grant the metaserver minted with the lookup
-# (kvfs/grants.py), checked against each chunk's owner record.
+# The chunkserver's data port (kvfs/wire.py): over TCP, mutual TLS with the cluster's
+# CA as on gRPC, any role (the handshake refuses everyone else); the tenant's
+# authority is the read grant the metaserver minted with the lookup (kvfs/grants.py),
+# checked against each chunk's owner record. The local socket is the kernel's:
+# SO_PEERCRED says who is calling, nothing on it leaves the host.
 DATA_PORT_RULES: dict[int, tuple[str, str]] = {
-    wire.READ: ("READ", "anyone who reaches the port and holds a read grant for the namespace each chunk's "
-                        "owner record names"),
+    wire.READ: ("READ", "over TCP: a caller with a certificate of the cluster's CA (worker, admin or server); "
+                        "on the local socket: a local process; either way with a read grant for the namespace "
+                        "each chunk's owner record names"),
     wire.READ_SHM: ("READ_SHM", "as READ, from a local process; into buffers it registered"),
     wire.SHM_REGISTER: ("SHM_REGISTER", "a local process on the port's local socket, for a memory file it passes "
                                         "by descriptor, sealed against shrinking; never by name, never over TCP"),

@@ -26,6 +26,8 @@ import ipaddress
 import os
 import secrets
 import pathlib
+import ssl
+import tempfile
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
 
@@ -85,6 +87,12 @@ def peer_identity(context) -> Identity | None:
     return identity_from_pem(pem[0]) if pem else None
 
 
+def socket_identity(sock: ssl.SSLSocket) -> Identity | None:
+    """The verified identity of a TLS socket's peer (None without a certificate)."""
+    der = sock.getpeercert(binary_form=True)
+    return identity_from_pem(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+
+
 def is_plaintext(context) -> bool:
     """True when the call came over a link without TLS (a server started --insecure)."""
     return context.auth_context().get("transport_security_type") != [b"ssl"]
@@ -120,6 +128,21 @@ class Credentials:
         """A caller's side: present our certificate, verify the server's against the CA."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    def ssl_context(self, server: bool) -> ssl.SSLContext:
+        """The same mutual TLS for a socket of our own (the chunkserver's data port):
+        TLS 1.3, our certificate presented, the peer's demanded and verified against
+        the CA; a client also checks the server's host name."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=self.ca.decode())
+        with tempfile.TemporaryDirectory(prefix="kvfs-tls-") as folder:  # ssl loads a key from files only
+            cert, key = pathlib.Path(folder, "cert.pem"), pathlib.Path(folder, "key.pem")
+            _write(cert, self.cert)
+            _write(key, self.key, private=True)
+            ctx.load_cert_chain(cert, key)
+        return ctx
 
     def write(self, folder: str | os.PathLike, name: str) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
         """Writes <folder>/ca.pem, <name>.pem and <name>.key (owner-only); returns the three paths."""

@@ -184,6 +184,16 @@ def dashboard_queries(path) -> list[tuple[str, str]]:
     return [(p.get("title", ""), t["expr"]) for p in panels(dashboard["panels"]) for t in p.get("targets", [])]
 
 
+def data_connection(address: str, creds=None, timeout: float = 10):
+    """A raw connection to a chunkserver's data port over TCP, through mutual TLS
+    as the port requires, with `creds` (default: the suite's own, credentials())."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    return (creds or credentials()).ssl_context(server=False).wrap_socket(sock, server_hostname=host)
+
+
 def recv_exactly(sock, n: int) -> bytes:
     """n bytes from a raw socket (ConnectionError if it closes first)."""
     buf = b""

@@ -15,7 +15,7 @@ from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
-from helpers import flip_bytes, local_read_grant, recv_exactly, restore_all, tokens_for, wait_until
+from helpers import data_connection, flip_bytes, local_read_grant, recv_exactly, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -80,8 +80,7 @@ async def test_corrupt_replica_is_never_used_and_the_other_serves(local_cluster,
 
 
 def raw_request(address: str, frame: bytes) -> tuple[wire.Header, bytes, socket.socket]:
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock = data_connection(address)
     sock.sendall(frame)
     header = wire.parse_header(recv_exactly(sock, wire.HEADER.size), requests=False)
     return header, recv_exactly(sock, header.body_len), sock
@@ -142,9 +141,8 @@ async def test_clients_vanishing_mid_transfer_leave_the_server_serving(chunkserv
             await c.write(cid, data, owner=RAW_OWNER)
         data_address = (await c.stat()).data_address
     baseline = open_fds(server.pid)
-    host, port = data_address.rsplit(":", 1)
     for _ in range(20):  # ask for 32 MiB, read a little, vanish
-        sock = socket.create_connection((host, int(port)))
+        sock = data_connection(data_address)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
         sock.sendall(wire.encode_read(1, [wire.Range(cid, 0, 0) for cid in chunks], grant=grant))
         sock.recv(1000)

@@ -7,8 +7,6 @@ namespace; B's own chunks, and A's with A's grant, are served beside it."""
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 import pytest
 
@@ -17,7 +15,7 @@ from kvfs.client import ChunkClient, Client
 from kvfs.errors import PermissionDenied
 from kvfs.keys import Namespace
 
-from helpers import restore_all
+from helpers import data_connection, recv_exactly, restore_all
 from test_attacks import LAYOUT, NS_A, write_and_restore
 
 NS_B = Namespace("tenant-b", "m")
@@ -54,13 +52,12 @@ async def test_a_worker_reads_a_chunk_only_with_a_grant_for_its_namespace(cluste
     await write_and_restore(cluster, who.worker_a, NS_A, seed=73)
 
 
-def data_port_read(address: str, chunk_ids: list[bytes], grant: bytes) -> tuple[wire.Header, bytes]:
-    """One raw READ frame on a data port (which knows no caller); the reply's header and body."""
-    host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+def data_port_read(address: str, chunk_ids: list[bytes], grant: bytes, creds) -> tuple[wire.Header, bytes]:
+    """One raw READ frame on a data port, over mutual TLS with `creds`; the reply's header and body."""
+    with data_connection(address, creds) as sock:
         sock.sendall(wire.encode_read(1, [wire.Range(c, 0, 0) for c in chunk_ids], grant=grant))
-        header = wire.parse_header(sock.recv(wire.HEADER.size, socket.MSG_WAITALL), requests=False)
-        return header, sock.recv(header.body_len, socket.MSG_WAITALL)
+        header = wire.parse_header(recv_exactly(sock, wire.HEADER.size), requests=False)
+        return header, recv_exactly(sock, header.body_len)
 
 
 async def test_the_data_port_serves_a_chunk_only_with_a_grant_for_its_namespace(cluster, who):
@@ -72,15 +69,15 @@ async def test_the_data_port_serves_a_chunk_only_with_a_grant_for_its_namespace(
     mine = next(c for b in match_b.blocks for c in b.chunks if set(c.replicas) & set(victim.replicas))
     data_address = match_a.servers[sorted(set(victim.replicas) & set(mine.replicas))[0]].data_address
     for grant in (b"", match_a.read_grant[:16] + match_b.read_grant[16:], b"x" * 40):
-        header, body = data_port_read(data_address, [victim.chunk_id], grant)
+        header, body = data_port_read(data_address, [victim.chunk_id], grant, who.worker_b)
         assert header.kind == wire.STATUS
         code, message = wire.parse_status(header, body)
         assert code == grpc.StatusCode.PERMISSION_DENIED.value[0] and "no valid read grant" in message
-    header, body = data_port_read(data_address, [victim.chunk_id, mine.chunk_id], match_b.read_grant)
+    header, body = data_port_read(data_address, [victim.chunk_id, mine.chunk_id], match_b.read_grant, who.worker_b)
     results = wire.parse_read_reply(header, body)
     assert results[0].code == grpc.StatusCode.PERMISSION_DENIED.value[0] and results[0].data_len == 0
     assert results[1].code == 0 and results[1].data_len == mine.length
-    header, body = data_port_read(data_address, [victim.chunk_id], match_a.read_grant)
+    header, body = data_port_read(data_address, [victim.chunk_id], match_a.read_grant, who.worker_a)
     (ok,) = wire.parse_read_reply(header, body)
     assert ok.code == 0 and ok.data_len == victim.length
     # the SDK's restores over the data port carry their grants
