@@ -29,7 +29,7 @@ def _io(args) -> int:
 
     console.print(f"kvfs-bench io: a {args.tokens}-token MLA prefix ({args.layers} layers) on {args.chunkservers} "
                   f"local chunkservers; transports {args.transport}; {args.cache}; concurrency {args.concurrency}; "
-                  f"{'--insecure (plaintext gRPC)' if args.insecure else 'mutual TLS on gRPC'}")
+                  f"{'--insecure (plaintext gRPC)' if args.insecure else 'mutual TLS on gRPC and the data port over TCP'}")
     report = asyncio.run(run_io(args.tokens, args.layers, args.transport.split(","), args.cache.split(","),
                                 args.rounds, args.concurrency, args.chunkservers, log=console.print,
                                 insecure=args.insecure, vs_insecure=args.vs_insecure))

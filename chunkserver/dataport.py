@@ -312,14 +312,19 @@ class _Handler(socketserver.BaseRequestHandler):
         reads.served(nbytes, time.perf_counter() - arrived)
 
     def _sendfile(self, fd: int, offset: int, count: int) -> None:
-        if self.tls:  # the bytes must pass through the TLS layer: read, then encrypt and send
-            while count:
-                data = os.pread(fd, min(count, TLS_READ), offset)
-                if not data:
-                    raise _Closed()
-                self.sock.sendall(data)
-                offset += len(data)
-                count -= len(data)
+        if self.tls:  # the bytes must pass through the TLS layer: read into a pooled buffer, encrypt, send
+            buf = self.store.get_buffer(TLS_READ)
+            try:
+                with memoryview(buf) as view:
+                    while count:
+                        got = os.preadv(fd, [view[: min(count, TLS_READ)]], offset)
+                        if not got:
+                            raise _Closed()
+                        self.sock.sendall(view[:got])
+                        offset += got
+                        count -= got
+            finally:
+                self.store.put_buffer(buf)
             return
         out = self.sock.fileno()
         while count:
