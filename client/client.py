@@ -134,6 +134,7 @@ class Client:
         self._channel = tls.aio_channel(metaserver, self.credentials, CHANNEL_OPTIONS)
         self._meta = meta_pb2_grpc.MetaServiceStub(self._channel)
         self._chunk_clients: dict[str, ChunkClient] = {}
+        self._tenant_keys: dict[str, bytes] = {}
         self.hedge = hedge
         self.latency = ServerLatency()
         self.hedges = HedgeBudget(hedge_budget)
@@ -175,11 +176,26 @@ class Client:
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, f"metaserver {self.metaserver}") from None
 
+    async def tenant_key(self, tenant: str) -> bytes:
+        """The secret `tenant`'s block keys chain under, from the metaserver (once per
+        tenant and client; empty on an --insecure cluster)."""
+        key = self._tenant_keys.get(tenant)
+        if key is None:
+            reply = await self._meta_call(self._meta.TenantKey, meta_pb2.TenantKeyRequest(tenant=tenant))
+            key = self._tenant_keys[tenant] = reply.key
+        return key
+
+    async def keys(self, namespace: Namespace, token_ids: Sequence[int], *,
+                   salt: str | bytes | None = None) -> list[bytes]:
+        """The block keys lookups and writes of `token_ids` use (kvfs.keys.block_keys
+        under the tenant's secret)."""
+        return block_keys(namespace, token_ids, self.block_tokens, salt, await self.tenant_key(namespace.tenant))
+
     async def lookup(self, namespace: Namespace, token_ids: Sequence[int], *,
                      salt: str | bytes | None = None) -> PrefixMatch:
         """The longest cached prefix of `token_ids` (whole blocks, exact from token 0)
         written under the same `salt` (kvfs.keys.Namespace.root_key)."""
-        keys = block_keys(namespace, token_ids, self.block_tokens, salt)
+        keys = await self.keys(namespace, token_ids, salt=salt)
         t0 = time.perf_counter()
         reply = await self._meta_call(self._meta.MatchPrefix,
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
@@ -219,7 +235,7 @@ class Client:
         if layout.block_tokens != self.block_tokens:
             raise InvalidArgument(f"layout has {layout.block_tokens}-token blocks, client {self.block_tokens}")
         t0 = time.perf_counter()
-        keys = block_keys(namespace, token_ids, self.block_tokens, salt)
+        keys = await self.keys(namespace, token_ids, salt=salt)
         tokens = buffer_tokens or len(keys) * self.block_tokens
         src = byte_view(payload, writable=False)
         if len(src) < layout.buffer_bytes(tokens) or tokens < len(keys) * self.block_tokens:

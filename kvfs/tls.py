@@ -169,6 +169,7 @@ CLUSTER_KEY = "cluster.key"  # beside the CA in a LocalCA folder and in what `kv
 SEAL_BYTES = 16
 # what a seal vouches for: a stored copy; an owner record; the right to read a namespace's chunks
 RECEIPT, OWNER, READ = b"kvfs-receipt", b"kvfs-owner", b"kvfs-read"
+TENANT_KEY = b"kvfs-tenant-key"  # not a seal: the secret a tenant's block keys chain under (kvfs/keys.py)
 
 
 def make_cluster_key(path: str | os.PathLike) -> None:

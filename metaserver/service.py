@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvfs import tls
 from kvfs.auth import check_server_id, check_tenant, tenants_visible
 from kvfs.errors import InvalidArgument, PermissionDenied
 from kvfs.grants import parse_owner
@@ -109,6 +110,19 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     async def MatchPrefix(self, request, context):
         return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys),
                                       request.namespace.tenant)
+
+    @handles_errors
+    async def TenantKey(self, request, context):
+        """The secret a tenant's block keys chain under: a seal of its name under the
+        cluster key, so the same on every start and no table to keep. Whoever does not
+        hold it (an admin listing owner records, anyone reading them off a disk) cannot
+        compute a prompt's keys to test a guess against them."""
+        if not request.tenant or len(request.tenant) > MAX_TENANT_NAME:
+            raise InvalidArgument(f"TenantKey names one tenant of 1 to {MAX_TENANT_NAME} characters; got "
+                                  f"{len(request.tenant)}")
+        check_tenant(context, request.tenant)
+        key = self.state.key
+        return meta_pb2.TenantKeyReply(key=tls.seal(key, tls.TENANT_KEY, request.tenant) if key else b"")
 
     @handles_errors
     async def Usage(self, request, context):

@@ -214,6 +214,18 @@ class BlockLocation(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkLocation]
     def __init__(self, key: _Optional[bytes] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ChunkLocation, _Mapping]]] = ...) -> None: ...
 
+class TenantKeyRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class TenantKeyReply(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    def __init__(self, key: _Optional[bytes] = ...) -> None: ...
+
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("namespace", "keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class MetaServiceStub:
                 request_serializer=meta__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=meta__pb2.MatchPrefixReply.FromString,
                 _registered_method=True)
+        self.TenantKey = channel.unary_unary(
+                '/kvfs.meta.MetaService/TenantKey',
+                request_serializer=meta__pb2.TenantKeyRequest.SerializeToString,
+                response_deserializer=meta__pb2.TenantKeyReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvfs.meta.MetaService/Status',
                 request_serializer=meta__pb2.StatusRequest.SerializeToString,
@@ -117,6 +122,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TenantKey(self, request, context):
+        """Workers: the secret their tenant's block keys chain under (kvfs/keys.py), once per tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Admin.
         """
@@ -170,6 +182,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.MatchPrefix,
                     request_deserializer=meta__pb2.MatchPrefixRequest.FromString,
                     response_serializer=meta__pb2.MatchPrefixReply.SerializeToString,
+            ),
+            'TenantKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.TenantKey,
+                    request_deserializer=meta__pb2.TenantKeyRequest.FromString,
+                    response_serializer=meta__pb2.TenantKeyReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -327,6 +344,33 @@ class MetaService:
             '/kvfs.meta.MetaService/MatchPrefix',
             meta__pb2.MatchPrefixRequest.SerializeToString,
             meta__pb2.MatchPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TenantKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/TenantKey',
+            meta__pb2.TenantKeyRequest.SerializeToString,
+            meta__pb2.TenantKeyReply.FromString,
             options,
             channel_credentials,
             insecure,

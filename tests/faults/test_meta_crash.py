@@ -13,7 +13,7 @@ from kvfs import tls
 from kvfs.checksum import chunk_checksum
 from kvfs.client import ChunkClient, Client
 from kvfs.errors import DeadlineExceeded, KvfsError, Unavailable
-from kvfs.keys import Namespace, block_keys
+from kvfs.keys import Namespace
 from kvfs.cli.launcher import meta_status
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -126,7 +126,7 @@ async def explain_lost(client: Client, blocks, lost: set, acked_keys: set, promp
     msg = (f"garbage collection deleted {len(lost)} chunk copies of {len(hit)} committed blocks "
            f"({len(hit & acked_keys)} of them acknowledged); {len(unreadable)} blocks lost every copy of a chunk")
     for tokens in prompts:
-        keys = block_keys(NS, tokens, 64)
+        keys = await client.keys(NS, tokens)
         if unreadable & set(keys):
             match = await client.lookup(NS, tokens)
             try:
@@ -164,7 +164,7 @@ async def test_metaserver_sigkill_during_commit_storm_loses_no_acknowledged_writ
         async with Client(cluster.meta_address, timeout=10) as client:
             for i in range(10_000):
                 tokens = prompt_for(w, i)
-                keys = block_keys(NS, tokens, 64)
+                keys = await client.keys(NS, tokens)
                 attempted.append(tokens)
                 in_write[w] = tokens
                 try:
@@ -223,7 +223,7 @@ async def test_metaserver_sigkill_during_commit_storm_loses_no_acknowledged_writ
         assert status.blocks == len(blocks), \
             f"metaserver holds {status.blocks} blocks, lookups of every attempted prompt find {len(blocks)}"
         copies = await check_replicas(cluster, blocks)
-        acked_keys = {k for t in acked for k in block_keys(NS, t, 64)}
+        acked_keys = {k for t in acked for k in await client.keys(NS, t)}
         print(f"saw: all {len(acked)} acknowledged writes match and restore exactly; {len(blocks)} committed "
               f"blocks ({len(blocks) - len(acked_keys)} from unacknowledged writes), {copies} chunk copies "
               f"all present with their checksums")
@@ -252,7 +252,7 @@ async def test_metaserver_sigkill_during_commit_storm_loses_no_acknowledged_writ
               f"committed ones; acknowledged writes still restore")
 
         fresh = tokens_for(3, seed=9_999)
-        res = await client.write(NS, fresh, buffer_for(block_keys(NS, fresh, 64)), LAYOUT)
+        res = await client.write(NS, fresh, buffer_for(await client.keys(NS, fresh)), LAYOUT)
         assert res.committed == 3
         await check_acknowledged(client, [fresh])
     print(f"saw: a new write round-trips after the restart; test took {time.monotonic() - t0:.1f}s")

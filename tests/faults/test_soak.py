@@ -21,7 +21,7 @@ import pytest
 
 from kvfs.client import Client
 from kvfs.errors import KvfsError
-from kvfs.keys import Namespace, block_keys
+from kvfs.keys import Namespace
 from kvfs.cli.launcher import meta_status
 from kvfs.layout import BlockLayout
 
@@ -150,7 +150,7 @@ async def test_soak_kills_and_restarts_chunkservers_under_concurrent_restores_an
         while not stop.is_set():
             # now and then rewrite an acknowledged prompt: its blocks are already present
             tokens = rng.choice(list(acked)) if acked and rng.random() < 0.2 else prompt_for(rng)
-            keys = block_keys(NS, tokens, 64)
+            keys = await client.keys(NS, tokens)
             try:
                 await asyncio.wait_for(client.write(NS, tokens, buffer_for(keys), LAYOUT), OP_DEADLINE)
             except KvfsError as err:
@@ -253,7 +253,7 @@ async def test_soak_kills_and_restarts_chunkservers_under_concurrent_restores_an
             await until(fully_replicated, 90, "every chunk back on two live servers", interval=0.5)
             healed = time.monotonic() - t0
             status = await asyncio.to_thread(meta_status, cluster.meta_address, credentials=cluster.admin)
-            acked_keys = {k for t in acked for k in block_keys(NS, t, 64)}
+            acked_keys = {k for t in acked for k in await client.keys(NS, t)}
             missing: set[bytes] = set()
             for tokens in acked:
                 match = await client.lookup(NS, tokens)

@@ -42,10 +42,11 @@ BLOCKS = 1024
 PROBES = 500  # per kind: with 300, a control of D 0.2 (seen inside full runs) gave p 1e-5
 
 
-async def timed(stub, ns, tokens) -> tuple[float, int]:
+async def timed(stub, client, ns, tokens) -> tuple[float, int]:
+    """One probe: its keys hashed ahead (under its own tenant's secret: B never has A's), the RPC timed."""
     request = meta_pb2.MatchPrefixRequest(namespace=meta_pb2.Namespace(tenant=ns.tenant, model=ns.model,
                                                                        cache_format=ns.cache_format),
-                                          keys=block_keys(ns, tokens, SMALL.block_tokens))
+                                          keys=await client.keys(ns, tokens))
     t0 = time.perf_counter()
     reply = await stub.MatchPrefix(request, timeout=10)
     return time.perf_counter() - t0, reply.matched
@@ -60,7 +61,7 @@ async def test_another_tenants_cached_prefix_times_like_an_uncached_one(local_cl
             assert (await client.write(A, p, payload, SMALL)).committed == BLOCKS
         stub = meta_pb2_grpc.MetaServiceStub(tls.aio_channel(cluster.meta_address, client.credentials))
         for p in prompts:  # warm both paths before timing
-            await timed(stub, A, p), await timed(stub, B, p)
+            await timed(stub, client, A, p), await timed(stub, client, B, p)
         cached_for_a, uncached, own_hits = [], [], []
         order = random.Random(7)
         for i in range(PROBES):
@@ -72,7 +73,7 @@ async def test_another_tenants_cached_prefix_times_like_an_uncached_one(local_cl
             kinds = [(cached_for_a, B, cached, 0), (uncached, B, fresh, 0), (own_hits, A, cached, BLOCKS)]
             order.shuffle(kinds)
             for sample, ns, tokens, expect in kinds:
-                seconds, matched = await timed(stub, ns, tokens)
+                seconds, matched = await timed(stub, client, ns, tokens)
                 assert matched == expect
                 sample.append(seconds)
     probe = ks_2samp(cached_for_a, uncached)

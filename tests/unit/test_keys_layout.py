@@ -97,3 +97,16 @@ def test_a_salt_gives_a_prompt_keys_of_its_own_and_no_salt_is_the_empty_one():
     # every key differs, not only the first: a salted prompt shares no block with another
     assert not set(alice) & set(plain) and not set(alice) & set(bob)
     assert block_keys(ns, tokens[:32], 16, "alice") == alice[:2]  # still a chain: prefixes match
+
+
+def test_a_tenant_secret_changes_every_key_and_only_its_holder_can_compute_them():
+    ns = Namespace("acme", "m")
+    tokens = list(range(64 * 4))
+    plain = block_keys(ns, tokens, 64)
+    mine = block_keys(ns, tokens, 64, secret=b"s" * 16)
+    assert mine == block_keys(ns, tokens, 64, secret=b"s" * 16)  # deterministic for its holder
+    assert not set(mine) & set(plain)  # and nothing like what a guess without it computes
+    assert not set(mine) & set(block_keys(ns, tokens, 64, secret=b"t" * 16))
+    assert block_keys(ns, tokens, 64, salt="u1", secret=b"s" * 16) != mine  # salts still apply under it
+    with pytest.raises(ValueError, match="at most 48"):
+        ns.root_key(secret=b"x" * 49)
