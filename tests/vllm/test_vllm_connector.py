@@ -234,6 +234,9 @@ def test_vllm_bench_reports_miss_and_hit(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"]
     assert r["miss"]["num_cached_tokens"] == 0 and r["hit"]["num_cached_tokens"] == MATCHED
+    # under a salt the unsalted blocks are not found; its own write-back is
+    assert r["salted miss"]["num_cached_tokens"] == 0 and r["salted hit"]["num_cached_tokens"] == MATCHED
+    assert r["salted hit"]["bytes_loaded"] == r["hit"]["bytes_loaded"]
     assert r["hit"]["bytes_loaded"] == 2 * MATCHED * 576 * 2  # layers x tokens x 576 x bf16
     assert r["hit"]["saved_blocks"] == 0 and r["max_logprob_diff"] <= LOGPROB_TOL  # a hit writes nothing again
     assert abs(r["speedup"] - r["miss"]["ttft_s"] / r["hit"]["ttft_s"]) < 1e-9
