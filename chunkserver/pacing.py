@@ -6,7 +6,7 @@ Every read carries its lookup's read grant, which names the namespace's tenant
 tenant's reads and bytes are counted (Stat's tenant_reads: what restores read,
 per tenant). With `tenant_read_rate` set, each tenant's reads from this server
 are paced to that many bytes per second, in bursts of up to BURST_S seconds'
-worth, by a virtual clock per tenant (GCRA): a read that would run its tenant
+worth, by a virtual clock per tenant (kvfs.pacing.Gcra): a read that would run its tenant
 past the pace waits for its turn on the connection (data port) or call (gRPC)
 that sent it, so only that tenant's reads queue. Other tenants' reads, and a
 tenant under its pace, never wait. This is the minimum the issue asks for (a
@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvfs.pacing import Gcra
 
 BURST_S = 1.0
 MAX_TRACKED = 65_536  # tenants counted one by one; past it, together under OTHER
@@ -40,7 +42,7 @@ class ReadPacer:
         self.counters = counters  # the store's Counters: reads_paced, paced_seconds over all tenants
         self.clock = clock
         self.tenants: dict[bytes, TenantReads] = {}
-        self._due: dict[bytes, float] = {}  # tenant -> when its reads so far are paid for
+        self._pace = Gcra(rate, BURST_S, MAX_TRACKED)
         self._lock = threading.Lock()  # data-port connections run in threads of their own
 
     def delay(self, tenant: bytes, nbytes: int) -> float:
@@ -54,14 +56,7 @@ class ReadPacer:
                 stats = self.tenants.setdefault(tenant if len(self.tenants) < MAX_TRACKED else OTHER, TenantReads())
             stats.reads += 1
             stats.bytes += nbytes
-            if not self.rate:
-                return 0.0
-            now = self.clock()
-            due = max(self._due.get(tenant, now), now) + nbytes / self.rate
-            if len(self._due) >= MAX_TRACKED and tenant not in self._due:
-                self._forget_caught_up(now)
-            self._due[tenant] = due
-            wait = due - now - BURST_S
+            wait = self._pace.charge(tenant, nbytes, self.clock())
             if wait <= 0:
                 return 0.0
             stats.paced += 1
@@ -69,11 +64,6 @@ class ReadPacer:
             self.counters.reads_paced += 1
             self.counters.paced_seconds += wait
             return wait
-
-    def _forget_caught_up(self, now: float) -> None:
-        """Drops the pace of tenants that caught up: they start afresh, as new ones do."""
-        for tenant in [t for t, due in self._due.items() if due <= now]:
-            del self._due[tenant]
 
     def snapshot(self) -> list[tuple[bytes, TenantReads]]:
         with self._lock:

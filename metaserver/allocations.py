@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvfs.grants import owner_seal
 from kvfs.keys import KEY_BYTES
+from kvfs.pacing import Gcra
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
 
@@ -84,6 +85,7 @@ class Allocations:
         # allocations between their first step and their last: (bytes, blocks to keep), so that
         # writers and eviction running between their steps count them and leave their parents
         self.placing: dict[bytes, tuple[int, set[bytes]]] = {}
+        self.write_pace = Gcra(cfg.tenant_write_rate)  # per tenant, in payload bytes of new blocks
         for key, raw in db.scan(ALLOC):
             self.open[key[1:]] = Allocation.of(meta_pb2.AllocationRecord.FromString(raw))
 
@@ -139,6 +141,11 @@ class Allocations:
         if quota is not None and incoming > quota:  # refused before anything is evicted for it, too
             raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; tenant "
                                     f"{tenant!r} may hold {quota} (tenant_quotas)")
+        if new and (over := self.write_pace.charge(tenant, new * layout.payload_bytes, self.clock(), refuse=True)):
+            log.info("tenant %r past its write rate: an allocation of %d blocks refused", tenant, new)
+            raise ResourceExhausted(f"tenant {tenant!r} is writing faster than {self.cfg.tenant_write_rate} bytes/s "
+                                    f"(tenant_write_rate): AllocateBlocks of {new} blocks refused; retry in "
+                                    f"{over:.2f} s")
         alloc_id = os.urandom(16)
         self.placing[alloc_id] = (incoming, {namespace_digest + k for k in (parent, *keys) if k})
         placed: list[tuple[ServerState, int]] = []  # pending bytes added, undone if this never finishes

@@ -85,6 +85,10 @@ class MetaserverConfig:
                                 "comma-separated, * for every tenant not named; empty: none. A write past it evicts the tenant's own blocks, lowest "
                                 "rank first, down to evict_low of its quota; one larger than the quota is "
                                 "refused")
+    tenant_write_rate: int = size_field(0, "bytes of new blocks (payload) one tenant may allocate per second, "
+                                        "in bursts of a second's worth; an AllocateBlocks past it is refused "
+                                        "(RESOURCE_EXHAUSTED, saying when to retry) before anything is evicted "
+                                        "for it; 0: unlimited")
     usage_max_tenants: int = option(10_000, "tenants metered one by one (kvfs usage); past it, new tenants are "
                                     "metered together as \"(other)\"")
     max_layers: int = option(1024, "most layers in the block layout of an AllocateBlocks")

@@ -71,3 +71,23 @@ def test_quotas_read_as_sizes_or_shares_of_the_cache():
     for bad in ("acme", "acme=0%", "acme=150%", "acme=0", "acme=5 parsecs", "=5GiB"):
         with pytest.raises(ValueError, match="tenant_quotas"):
             MetaserverConfig(tenant_quotas=bad)
+
+
+def test_a_tenant_writing_past_its_write_rate_is_refused_with_when_to_retry_and_others_write_on(make_state):
+    clock = Clock()
+    state = make_state(clock, tenant_write_rate=1024)  # 4 blocks' payload (256 bytes each) per second
+    prompts = [block_keys(A, range(100 * i, 100 * i + 32), 4) for i in range(4)]  # 8 blocks each
+    assert write(state, A, prompts[0]) == 8  # caught up: a write larger than a burst goes through, booked 2 s
+    with pytest.raises(ResourceExhausted, match=r"tenant 'tenant-a' is writing faster than 1024 bytes/s "
+                                                r"\(tenant_write_rate\).*retry in 1.00 s"):
+        write(state, A, prompts[1])
+    assert cached(state, A, prompts[1]) == 0 and not state.allocations.placing  # nothing placed for it
+    assert write(state, B, block_keys(B, range(32), 4)) == 8  # another tenant: its own pace
+    clock.now += 0.5
+    with pytest.raises(ResourceExhausted, match=r"retry in 0.50 s"):  # a refusal books nothing
+        write(state, A, prompts[1])
+    clock.now += 0.5
+    assert write(state, A, prompts[1]) == 8  # one burst behind its pace: admitted again
+    again = state.allocate(A.digest, prompts[0], LAYOUT_MSG)  # present blocks cost nothing: only new ones are paced
+    assert all(b.already_present for b in again.blocks)
+    assert_metadata_consistent(state)
