@@ -34,6 +34,10 @@ class ChunkserverConfig:
     data_request_timeout: float = duration_field(10.0, "a data-port request must arrive whole, header and body, "
                                                  "within this long of its first byte, or its connection is closed")
     data_peer_connections: int = option(64, "most data-port connections one client host may hold open (of 256)")
+    data_read_buffers: int = size_field(1 << 30, "most bytes of read buffers direct-mode data-port reads hold at "
+                                        "once, over all connections; one client host holds at most a quarter "
+                                        "of it (a request alone always proceeds); a request waits for room up "
+                                        "to data_request_timeout, then is refused")
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")

@@ -3,7 +3,8 @@
 One thread per connection (socketserver), blocking sockets, requests served in
 the order they arrive (a client pipelines many and opens a few connections).
 Memory per connection is bounded: one request body (<= wire.MAX_BODY) and, in
-direct mode, the aligned buffers of one request (<= max_read_bytes). Time and
+direct mode, the aligned buffers of one request (<= max_read_bytes), which wait
+for room among all connections' (ReadBuffers, data_read_buffers). Time and
 slots are bounded too: a request must arrive whole within `data_request_timeout`
 of its first byte (a connection may idle IDLE_TIMEOUT between requests), a
 client that stops reading is cut off after SEND_TIMEOUT, and one client host
@@ -65,6 +66,45 @@ MAX_CONNECTIONS = 256
 SEND_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
 TLS_READ = 1 << 20  # bytes read from the page cache at a time for a TLS connection (no sendfile through TLS)
+
+
+class ReadBuffers:
+    """The bytes of read buffers direct-mode requests hold, over all connections: a
+    request waits until its buffers fit under `total`, and under a quarter of it for
+    its peer (a host, or a local user), so clients that stop reading (holding a
+    request's buffers for up to SEND_TIMEOUT) cannot take them all. A request with
+    nothing else held beside it (by anyone, or by its peer) always fits."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.peer_share = max(1, total // 4)
+        self.used = 0
+        self.by_peer: dict[str, int] = {}
+        self._room = threading.Condition()
+
+    def _fits(self, peer: str, n: int) -> bool:
+        mine = self.by_peer.get(peer, 0)
+        return (not self.used or self.used + n <= self.total) and (not mine or mine + n <= self.peer_share)
+
+    def acquire(self, peer: str, n: int, deadline: float) -> bool:
+        """Holds n bytes for `peer`, waiting until `deadline` (time.monotonic()) at most."""
+        with self._room:
+            while not self._fits(peer, n):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._room.wait(left)
+            self.used += n
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + n
+            return True
+
+    def release(self, peer: str, n: int) -> None:
+        with self._room:
+            self.used -= n
+            self.by_peer[peer] -= n
+            if not self.by_peer[peer]:
+                del self.by_peer[peer]
+            self._room.notify_all()
 
 
 class _Closed(Exception):
@@ -159,8 +199,9 @@ class _Handler(socketserver.BaseRequestHandler):
         self.shm_reads = self.server.reads["shm"]
         self.tls = not self.local and self.server.tls is not None
         if self.local:
-            self.client_address = local_peer(self.sock)[1]
+            self.peer, self.client_address = local_peer(self.sock)
         else:
+            self.peer = self.client_address[0]  # its host: what connections and read buffers are counted by
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         if self.tls:  # the handshake is handle()'s, within the request deadline
@@ -335,7 +376,24 @@ class _Handler(socketserver.BaseRequestHandler):
             count -= sent
 
     def _send_direct(self, header, replies, served) -> int:
-        """Reads the ranges through the store's reader, sends them; the bytes sent."""
+        """Reads the ranges through the store's reader, sends them; the bytes sent.
+        Their buffers wait for room among everyone's (ReadBuffers) first."""
+        need = sum(self.store.buffer_bytes(p) for p, _, _ in served)
+        budget = self.server.read_buffers
+        if not budget.acquire(self.peer, need, time.monotonic() + self.server.request_timeout):
+            log.warning("data port: a read of %d bytes from %s found no room among the read buffers (%d of %d held, "
+                        "%d by its host) within %.0f s; refused", need, self.client_address, budget.used,
+                        budget.total, budget.by_peer.get(self.peer, 0), self.server.request_timeout)
+            self.store.counters.rejected_requests += 1
+            self.sock.sendall(wire.encode_status(header.request_id, 8, "the chunkserver's read buffers are all in "
+                                                 "use (data_read_buffers); retry"))
+            return 0
+        try:
+            return self._read_and_send(header, replies, served)
+        finally:
+            budget.release(self.peer, need)
+
+    def _read_and_send(self, header, replies, served) -> int:
         ops = self.store.disk_reads([p for p, _, _ in served])
         nbytes = 0
         try:
@@ -438,6 +496,7 @@ class DataServer(socketserver.ThreadingTCPServer):
                  tls_context: ssl.SSLContext | None = None):
         self.store = store
         self.tls = tls_context  # TCP connections speak mutual TLS; None: --insecure, plaintext
+        self.read_buffers = ReadBuffers(store.cfg.data_read_buffers)
         self.reads = reads  # by transport (metrics.TRANSPORTS)
         self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
@@ -529,6 +588,7 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         self.port = port
         self.store, self.cluster_key, self.pool, self.reads = port.store, port.cluster_key, port.pool, port.reads
         self.tls = None  # the kernel vouches for a local peer; nothing on the local socket leaves the host
+        self.read_buffers = port.read_buffers
         self.request_timeout = port.request_timeout
         super().__init__(name, _Handler)
 

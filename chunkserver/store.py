@@ -405,15 +405,16 @@ class ChunkStore:
         for p in plan:
             self._unpin(p.rec.slot)
 
+    @staticmethod
+    def buffer_bytes(p: PlannedRead) -> int:
+        """The buffer disk_reads reads a planned range into: the 64 KiB blocks it touches."""
+        return (-(-(p.offset + p.length) // BLOCK) - p.offset // BLOCK) * BLOCK
+
     def disk_reads(self, plan: list[PlannedRead]) -> list[tuple[int, int, bytearray]]:
         """io_uring ops reading the 64 KiB blocks each planned range touches,
         into pooled aligned buffers (give them back with put_buffer)."""
-        ops = []
-        for p in plan:
-            b0, b1 = p.offset // BLOCK, -(-(p.offset + p.length) // BLOCK)
-            ops.append((self.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + b0 * BLOCK,
-                        self._pool.get((b1 - b0) * BLOCK)))
-        return ops
+        return [(self.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + p.offset // BLOCK * BLOCK,
+                 self._pool.get(self.buffer_bytes(p))) for p in plan]
 
     def get_buffer(self, n: int) -> bytearray:
         """A pooled page-aligned buffer of n (>= 8192) bytes; give it back with put_buffer."""

@@ -137,7 +137,8 @@ class TlsSocket:
                     break
                 except ssl.SSLWantReadError:
                     self.sock.sendall(self._out.read())
-                    self._feed()
+                    if not self._feed():  # e.g. refused by the port's per-host connection cap
+                        raise ConnectionError("the data port closed the connection during the TLS handshake")
             self.sock.sendall(self._out.read())
         finally:
             sock.settimeout(None)

@@ -184,6 +184,15 @@ def dashboard_queries(path) -> list[tuple[str, str]]:
     return [(p.get("title", ""), t["expr"]) for p in panels(dashboard["panels"]) for t in p.get("targets", [])]
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS)."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
 def data_connection(address: str, creds=None, timeout: float = 10):
     """A raw connection to a chunkserver's data port over TCP, through mutual TLS
     as the port requires, with `creds` (default: the suite's own, credentials())."""

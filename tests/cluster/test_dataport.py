@@ -230,3 +230,30 @@ async def test_a_server_that_refuses_our_buffer_is_read_without_shared_memory(lo
         assert bytes(out) == payload and stats.retries == 0
         assert client._transports["shm"].ranges == {"staged": 0, "zero_copy": 0}  # all came over the socket
     assert "not sealed against shrinking" in caplog.text and "without shared memory instead" in caplog.text
+
+
+def test_a_data_port_that_closes_during_the_tls_handshake_fails_the_connection_at_once():
+    """As one does for a host over its connection cap: the client's TLS layer gives up at
+    once, saying why (before, the closed socket surfaced only as whatever a later send
+    raised, here a broken pipe; a send that happened to succeed would have looped)."""
+    import threading
+    import time
+
+    from kvfs.client.transport import TlsSocket
+
+    from helpers import credentials
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def close_at_once():
+        conn, _ = listener.accept()
+        conn.close()
+
+    threading.Thread(target=close_at_once, daemon=True).start()
+    sock = socket.create_connection(listener.getsockname())
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="during the TLS handshake"):
+        TlsSocket(sock, credentials().ssl_context(server=False), "127.0.0.1")
+    assert time.monotonic() - t0 < 5
+    sock.close()
+    listener.close()

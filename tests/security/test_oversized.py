@@ -11,19 +11,12 @@ from kvfs import tls
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 
+from helpers import rss_bytes
 from test_attacks import NS_A_MSG, refused, write_and_restore
 from test_attacks import NS_A as NS
 
 MiB = 1 << 20
 DEFAULT_LIMIT = 64 * MiB  # MetaserverConfig.max_request_bytes
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 async def test_a_request_over_the_metaservers_limit_is_refused_unread_while_others_are_served(cluster, who):
