@@ -85,7 +85,6 @@ class MetaState:
         self.allocations = Allocations(cfg, self.db, self.members, self.blocks, clock, key)
         self.undeleted: dict[str, dict[bytes, int]] = {}  # server id -> chunk id -> bytes: deletes to send
         self.undeleted_bytes: dict[str, int] = {}  # server id -> the sum of its undeleted bytes
-        self.queued_deletes = 0
         self.deletes_left_to_gc = 0  # deletes for servers that were down with full queues (orphan GC's)
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
@@ -273,36 +272,35 @@ class MetaState:
         """Chunks to delete from the servers they list; Lifecycle sends the deletes. A
         server that is not live holds its queue until it is back; past MAX_QUEUED_DELETES
         copies its further deletes are left to orphan GC, which finds them unreferenced."""
-        live = self.members.live_numbers
         for c in chunks:
             for sid in c.servers:
                 queued = self.undeleted.setdefault(sid, {})
                 if c.chunk_id in queued:
                     continue
-                server = self.servers.get(sid)
-                if len(queued) >= MAX_QUEUED_DELETES and (server is None or server.number not in live):
+                if len(queued) >= MAX_QUEUED_DELETES and not self._live_id(sid):
                     self.deletes_left_to_gc += 1
                     continue
                 queued[c.chunk_id] = c.length
                 self.undeleted_bytes[sid] = self.undeleted_bytes.get(sid, 0) + c.length
-                self.queued_deletes += 1
-                if server is not None:
+                if (server := self.servers.get(sid)) is not None:
                     server.freeing_bytes += c.length
 
     def deletes_backed_up(self) -> bool:
         """Too many deletes queued for live servers: background removals wait for the
         delete pass. (Queues of servers that are down do not count: they wait for their
         server, and would stop eviction for as long.)"""
-        live = self.members.live_numbers
-        return sum(len(q) for sid, q in self.undeleted.items()
-                   if (s := self.servers.get(sid)) is not None and s.number in live) >= MAX_QUEUED_DELETES
+        return sum(len(q) for sid, q in self.undeleted.items() if self._live_id(sid)) >= MAX_QUEUED_DELETES
+
+    def _live_id(self, server_id: str) -> bool:
+        """Whether the server is live as of the last liveness refresh."""
+        server = self.servers.get(server_id)
+        return server is not None and server.number in self.members.live_numbers
 
     def deleted(self, server_id: str, chunk_ids: Iterable[bytes]) -> None:
         """A server acknowledged these deletes (its next heartbeat shows the space free)."""
         queued = self.undeleted.get(server_id, {})
         for cid in chunk_ids:
             if (length := queued.pop(cid, None)) is not None:
-                self.queued_deletes -= 1
                 self.undeleted_bytes[server_id] -= length
         if not queued:
             self.undeleted.pop(server_id, None)
