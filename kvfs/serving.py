@@ -127,6 +127,25 @@ class LoopStats:
         self.over = [0] * len(STALL_BOUNDS)
         self.over_busy = [0] * len(STALL_BOUNDS)
         self.longest = 0.0
+        self.tick = 0.0  # the watcher's timer
+        self.stalled_s = 0.0  # every stall over STALL_BOUNDS[0], summed
+        self.last_tick: float | None = None  # monotonic: when the watcher last woke (None: no watcher)
+
+    def stalled_now(self) -> float:
+        """stalled_s, with the stall going on now: a caller running right after the
+        process was stopped (SIGSTOP, a paused VM) or its loop held runs before the
+        watcher wakes to count it."""
+        if self.last_tick is None:
+            return self.stalled_s
+        pending = time.monotonic() - self.last_tick - self.tick
+        return self.stalled_s + (pending if pending > STALL_BOUNDS[0] else 0.0)
+
+    def woke(self, now: float, held: float, thread_cpu: float) -> None:
+        """The watcher's timer fired at `now` (monotonic), `held` seconds late."""
+        self.last_tick = now
+        if held > STALL_BOUNDS[0]:
+            self.stalled_s += held
+            self.record(held, thread_cpu)
 
     def record(self, held: float, thread_cpu: float) -> None:
         self.longest = max(self.longest, held)
@@ -147,13 +166,15 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
     processes had the cores). At most one line every STALL_REPORT_EVERY seconds.
     Every stall longer than STALL_BOUNDS[0] is counted in `stats`."""
     worst, count, reported = 0.0, 0, time.monotonic()
+    if stats is not None:
+        stats.tick, stats.last_tick = tick, reported
     while True:
         t0, thread0, process0 = time.monotonic(), time.thread_time(), time.process_time()
         await asyncio.sleep(tick)
         now = time.monotonic()
         held = now - t0 - tick
-        if stats is not None and held > STALL_BOUNDS[0]:
-            stats.record(held, time.thread_time() - thread0)
+        if stats is not None:
+            stats.woke(now, held, time.thread_time() - thread0)
         if held > threshold:
             count += 1
             if held > worst:

@@ -35,6 +35,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     repairer = Repairer(state, lifecycle)
     server = grpc_server("metaserver", creds, cfg.max_request_bytes)
     loop = LoopStats()
+    state.members.watch(loop)
     registry = CollectorRegistry()
     servicer = MetaServicer(state, lifecycle, loop, RpcMetrics(registry))
     add_to_server(servicer, server)

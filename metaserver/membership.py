@@ -8,6 +8,12 @@ A server is live while it heartbeats within `heartbeat_timeout` and has been
 reconciled: one that went silent and checks in again first has its inventory
 checked against metadata (repair.py), since copies it holds may have been
 re-created elsewhere meanwhile.
+
+Silence is counted only while this process was awake to hear heartbeats: the
+stalls the event-loop watcher sees (the loop held by a slow pass, the process
+stopped or its VM paused) do not count, so a metaserver that froze for longer
+than the timeout does not wake up to find every server dead while their
+heartbeats wait in its sockets.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvfs.errors import InvalidArgument
 from kvfs.proto import meta_pb2
@@ -23,6 +30,9 @@ from . import records
 from .chains import Chain, Member, build_chains
 from .config import MetaserverConfig
 from .db import MetaDB
+
+if TYPE_CHECKING:
+    from kvfs.serving import LoopStats
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +51,7 @@ class ServerState:
     # False from when a server that had gone silent checks in again until its
     # inventory was reconciled against metadata (stale copies deleted); not live meanwhile
     reconciled: bool = True
+    stalled_at: float = 0.0  # Membership.stalled() at the last heartbeat
 
     @property
     def number(self) -> int:
@@ -57,12 +68,28 @@ class Membership:
         self.chains: list[Chain] = []
         self.live_numbers: frozenset[int] = frozenset()
         self._entries: dict[int, bytes] = {}  # number -> its MatchPrefixReply.servers entry
+        self.loop: LoopStats | None = None  # the event-loop watcher's counts, where one runs (watch())
         now = clock()
         for _, raw in db.scan(records.SERVER):
             rec = meta_pb2.ServerRecord.FromString(raw)
             # after a restart every known server gets one heartbeat timeout to check in
-            self._add(ServerState(rec, now))
+            self._add(ServerState(rec, now, stalled_at=self.stalled()))
         self._rebuild_chains()
+
+    def watch(self, loop: LoopStats) -> None:
+        """Counts silence on the clock less the stalls this loop watcher sees."""
+        self.loop = loop
+
+    def stalled(self) -> float:
+        """Seconds this process has been stalled so far (0 with no watcher)."""
+        return self.loop.stalled_now() if self.loop is not None else 0.0
+
+    def silence(self, state: ServerState) -> float:
+        """Seconds since the server's last heartbeat that this process was awake for."""
+        return self.clock() - state.last_heartbeat - (self.stalled() - state.stalled_at)
+
+    def _heard(self, state: ServerState) -> None:
+        state.last_heartbeat, state.stalled_at = self.clock(), self.stalled()
 
     def _add(self, state: ServerState) -> None:
         self.servers[state.record.id] = state
@@ -89,7 +116,7 @@ class Membership:
             known.reconciled = False  # a restart after silence: same as a heartbeat after silence
             log.info("chunkserver %s is back; it serves again once its chunks are reconciled", req.server_id)
         known.record = rec
-        known.last_heartbeat = self.clock()
+        self._heard(known)
         self._add(known)
         self._rebuild_chains()
 
@@ -98,7 +125,7 @@ class Membership:
         if state is None:
             return False
         was_live = self.is_live(state)
-        state.last_heartbeat = self.clock()
+        self._heard(state)
         state.used_bytes, state.allocated_bytes = req.used_bytes, req.allocated_bytes
         state.chunk_count = req.chunk_count
         state.record.capacity_bytes = req.capacity_bytes or state.record.capacity_bytes
@@ -111,7 +138,7 @@ class Membership:
         return True
 
     def is_live(self, state: ServerState) -> bool:
-        return state.reconciled and self.clock() - state.last_heartbeat <= self.cfg.heartbeat_timeout
+        return state.reconciled and self.silence(state) <= self.cfg.heartbeat_timeout
 
     def _live_now(self) -> frozenset[int]:
         return frozenset(s.number for s in self.servers.values() if self.is_live(s))
@@ -125,9 +152,8 @@ class Membership:
 
     def to_reconcile(self) -> list[str]:
         """Servers back from silence, heartbeating, waiting for reconciliation."""
-        now = self.clock()
         return [sid for sid, s in self.servers.items()
-                if not s.reconciled and now - s.last_heartbeat <= self.cfg.heartbeat_timeout]
+                if not s.reconciled and self.silence(s) <= self.cfg.heartbeat_timeout]
 
     def reconciled(self, server_id: str) -> None:
         self.servers[server_id].reconciled = True

@@ -1,5 +1,7 @@
 """MetaState in-process with an injectable clock: RocksDB on disk, no sockets."""
 
+import time
+
 import pytest
 
 from kvfs.metaserver.config import MetaserverConfig
@@ -8,6 +10,7 @@ from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
 from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
+from kvfs.serving import LoopStats
 
 from helpers import Clock, assert_metadata_consistent
 
@@ -196,6 +199,29 @@ def test_no_chains_without_enough_failure_domains(make_state, tmp_path):
     with pytest.raises(Unavailable, match="failure domains"):
         state.allocate(NS.digest, block_keys(NS, range(64), 64), LAYOUT_MSG)
     state.close()
+
+
+def test_a_stall_of_the_metaserver_itself_is_not_the_servers_silence(make_state):
+    clock = Clock()
+    state = make_state(clock, heartbeat_timeout=5)
+    loop = LoopStats()
+    loop.tick, loop.last_tick = 0.01, time.monotonic()  # as watch_event_loop sets them
+    state.members.watch(loop)
+    everyone = {"cs-0", "cs-1", "cs-2"}
+    # the process was stopped for 8 s: its clock moved on, its loop watcher has not woken yet
+    clock.now += 8
+    loop.last_tick -= 8
+    state.refresh_liveness()
+    assert set(state.live_servers()) == everyone, "servers declared dead for the metaserver's own stall"
+    loop.woke(time.monotonic(), 8.0, 0.0)  # the watcher wakes and counts it
+    state.refresh_liveness()
+    assert set(state.live_servers()) == everyone
+    # silence while awake counts: 6 s more, cs-0 alone heartbeats
+    clock.now += 4
+    state.heartbeat(meta_pb2.HeartbeatRequest(server_id="cs-0"))
+    clock.now += 2
+    state.refresh_liveness()
+    assert set(state.live_servers()) == {"cs-0"}
 
 
 def test_silent_servers_leave_chunks_short_of_copies_and_blocks_without_any_are_lost(make_state):

@@ -36,5 +36,7 @@ async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, c
     # counted for Status: over 100 ms (and the smaller bounds), none over 1 s; a sleep is never "busy"
     over = dict(zip(serving.STALL_BOUNDS, stats.over))
     assert over[0.1] >= 1 and over[0.025] >= over[0.1] and over[1.0] == 0 and stats.longest >= 0.2
+    # and summed, for the metaserver's heartbeat timeouts (membership.py): none of it was time awake
+    assert 0.2 <= stats.stalled_s <= stats.stalled_now() and stats.stalled_s < 5
     if not busy:
         assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
