@@ -19,6 +19,7 @@ import heapq
 import logging
 import math
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +121,55 @@ class Staged:
     gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
     parents: dict[bytes, bytes] = field(default_factory=dict)  # parents' rows read here (eviction pops them next)
+
+
+class Reader:
+    """The reads of one batch of removals, as the database stood when it began (the
+    batch is written at its end): each row group read once, and one iterator for
+    every children check. An eviction's victims walk back through a prompt's
+    consecutive slots, so one group read serves a run of them, and a parent is
+    looked for first in the slot before its child's."""
+
+    __slots__ = ("db", "groups", "_it")
+
+    def __init__(self, db: MetaDB):
+        self.db = db
+        self.groups: dict[bytes, bytes | None] = {}
+        self._it = None
+
+    def row(self, full: bytes, near: int | None = None) -> bytes | None:
+        """A block's row as stored (None: not committed); `near`: the slot it likely has."""
+        if near is not None and near >= 0 and (raw := self._at(full, near)) is not None:
+            return raw
+        slot = self.db.get(BLOCK + full)
+        return self._at(full, read_u64(slot)) if slot is not None else None
+
+    def _at(self, full: bytes, slot: int) -> bytes | None:
+        name = group_key(full[:KEY_BYTES], slot // GROUP_SLOTS)
+        try:
+            value = self.groups[name]
+        except KeyError:
+            value = self.groups[name] = self.db.get(name)
+        offset = slot % GROUP_SLOTS
+        if value is None or value[KEY_BYTES * offset : KEY_BYTES * (offset + 1)] != full[KEY_BYTES:]:
+            return None
+        return groups.row_at(value, offset)
+
+    def has_children(self, full: bytes, skip: set[bytes]) -> bool:
+        """Whether a block has a child other than those in `skip` (child index keys)."""
+        prefix = CHILD + full
+        if self._it is None:
+            self._it = self.db.db.iter()
+        it = self._it
+        it.seek(prefix)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                return False
+            if key not in skip:
+                return True
+            it.next()
+        return False
 
 
 class Slots:
@@ -542,11 +592,13 @@ class BlockTable:
 
     # ---- removal ---------------------------------------------------------
 
-    def remove(self, staged: Staged, full: bytes, row: Row, *, stranding: bool) -> bytes | None:
+    def remove(self, staged: Staged, full: bytes, row: Row, *, stranding: bool,
+               reader: Reader | None = None) -> bytes | None:
         """Stages the removal of one block: its row, its index entries, its place among
         its parent's children. With `stranding`, its children (if any) are queued to
         be dropped after it. Returns its parent's eviction index key if the parent
-        is left without children (a leaf now, an eviction candidate)."""
+        is left without children (a leaf now, an eviction candidate). `reader`: the
+        batch's reads, where it has one (eviction)."""
         b = staged.batch
         b.delete(BLOCK + full)
         b.delete_row(full[:KEY_BYTES], row.slot)
@@ -570,9 +622,16 @@ class BlockTable:
         b.delete(ck)
         gone = staged.gone_children.setdefault(parent, set())
         gone.add(ck)
-        if parent in staged.removed or self.db.has_prefix(CHILD + parent, gone):
+        if parent in staged.removed:
             return None
-        (raw,) = self.rows([parent])
+        if reader is None:
+            if self.db.has_prefix(CHILD + parent, gone):
+                return None
+            (raw,) = self.rows([parent])
+        elif reader.has_children(parent, gone):
+            return None
+        else:
+            raw = reader.row(parent, near=row.slot - 1)  # a prompt's blocks take consecutive slots
         if raw is None:
             return None
         staged.parents[parent] = raw
@@ -636,22 +695,26 @@ class BlockTable:
         self.expired += len(staged.removed)
         return staged.chunks
 
-    def evict(self, nbytes: int, pinned: set[bytes], limit: int,
-              tenant: str | None = None) -> tuple[int, list[meta_pb2.StoredChunk]]:
+    def evict(self, nbytes: int, pinned: set[bytes], limit: int, tenant: str | None = None,
+              deadline: float | None = None) -> tuple[int, list[meta_pb2.StoredChunk]]:
         """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
-        are freed or `limit` blocks went. Blocks in `pinned`, their ancestors and
+        are freed or `limit` blocks went, or (with `deadline`, a perf_counter time)
+        time is up, one block at least. Blocks in `pinned`, their ancestors and
         blocks hit since the last flush stay. With `tenant`, only that tenant's
         blocks go, taken from its own index. Returns (blocks, their chunks)."""
         staged = Staged()
+        reader = Reader(self.db)
         index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
         floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
         freed, cursor, exhausted = 0, floor, False
         heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         while freed < nbytes and len(staged.removed) < limit:
+            if deadline is not None and staged.removed and time.perf_counter() > deadline:
+                break
             if not exhausted and (not heap or heap[0] >= cursor):
-                # a slice's worth and some (most victims after the first are parents that became leaves)
-                want = min(256, 2 * limit + 16)
+                # a few at a time: most victims after the first are parents that became leaves
+                want = min(32, 2 * limit + 16)
                 scanned = [k for k, _ in self.db.scan(index, start=cursor, limit=want)]
                 exhausted = len(scanned) < want
                 if scanned:
@@ -673,7 +736,7 @@ class BlockTable:
                 continue
             if tenant is not None and self.usage.tenant_of(full[:KEY_BYTES]) != tenant:
                 continue  # another tenant whose name hashes alike: not ours to evict
-            raw = staged.parents.pop(full, None) or self.rows([full])[0]
+            raw = staged.parents.pop(full, None) or reader.row(full)
             if raw is not None and self.hit_since_flush(full, raw):
                 continue
             row = Row.decode(raw) if raw is not None else None
@@ -682,7 +745,7 @@ class BlockTable:
             if row is None or (tenant is not None and vkey not in became and self.db.get(vkey) is None):
                 self.unleaf(staged.batch, vkey)  # a stale entry
                 continue
-            leaf = self.remove(staged, full, row, stranding=False)
+            leaf = self.remove(staged, full, row, stranding=False, reader=reader)
             if leaf is not None:
                 became.add(leaf)
                 heapq.heappush(heap, leaf if tenant is None else self.tenant_victim(leaf))

@@ -137,10 +137,12 @@ class Repairer:
     async def _reconcile(self, sid: str) -> None:
         stale = []
         try:
+            def check(info) -> None:
+                if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid):
+                    stale.append(info.chunk_id)
+
             async for page in self.lifecycle._inventory_pages(sid):
-                async with self.lifecycle.turn():
-                    stale += [info.chunk_id for info in page
-                              if self.state.is_stale(info.chunk_id, parse_owner(info.owner), sid)]
+                await self.lifecycle.each_in_turns(page, check)
             await self.lifecycle.delete_on(sid, stale)
         except grpc.aio.AioRpcError as err:
             log.warning("reconciling %s failed (%s); it stays out until the next round", sid, err.code().name)

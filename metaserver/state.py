@@ -34,7 +34,9 @@ from .membership import Membership, ServerState
 log = logging.getLogger(__name__)
 
 EVICT_INLINE = 1024  # blocks a write may evict itself; the rest (down to the low watermark) in the background
-EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop (about 1.5 ms)
+EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop at most
+# and the time one slice of removals may take (checked before each block; the batch write follows)
+SLICE_SECONDS = 0.0015
 
 
 def run_steps(steps):
@@ -215,10 +217,10 @@ class MetaState:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
             was = self.blocks.cache_bytes
-            n = self._evict(incoming - freed, frozenset(), step)
+            n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + SLICE_SECONDS)
             freed += was - self.blocks.cache_bytes
             evicted += n
-            if n < step:
+            if not n:
                 break
         # a warning when nothing could go: every leaf is under a write in flight
         log.log(logging.INFO if evicted else logging.WARNING,
@@ -260,11 +262,12 @@ class MetaState:
                                     f"writes in flight, or hit in the last second); try again")
         return evicted
 
-    def _evict(self, need: int, pinned: set[bytes], limit: int) -> int:
-        """Evicts `need` bytes' worth of blocks, at most `limit` of them."""
+    def _evict(self, need: int, pinned: set[bytes], limit: int, deadline: float | None = None) -> int:
+        """Evicts `need` bytes' worth of blocks, at most `limit` of them (and, with
+        `deadline`, a perf_counter time, as many as go by then)."""
         if need <= 0:
             return 0
-        n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit)
+        n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit, deadline=deadline)
         self.queue_deletes(chunks)
         return n
 
@@ -360,15 +363,18 @@ class MetaState:
         self.queue_deletes(self.blocks.drop_stranded(limit))
         return self.blocks.stranded_dropped - before
 
-    def evict_slice(self, limit: int = 64) -> int:
+    def evict_slice(self, limit: int = 64, seconds: float | None = None) -> int:
         """Background eviction: once past the high watermark, down to the low one, a
-        slice at a time (a write evicts only what it brings)."""
+        slice at a time (a write evicts only what it brings): at most `limit` blocks,
+        and with `seconds`, as many as go in that time."""
         capacity = self.capacity_bytes()
         if not capacity or not (self.evicting or self.over_high()):
             return 0  # no live capacity at all: nothing to measure against, nothing goes
         need = self.blocks.cache_bytes + self.allocations.incoming_bytes() - int(self.cfg.evict_low * capacity)
-        n = self._evict(need, frozenset(), limit)
-        self.evicting = n == limit  # stop at the low watermark, or when nothing more can go now
+        n = self._evict(need, frozenset(), limit, time.perf_counter() + seconds if seconds is not None else None)
+        # stop at the low watermark, or when nothing more can go now
+        self.evicting = n > 0 and self.blocks.cache_bytes + self.allocations.incoming_bytes() > int(
+            self.cfg.evict_low * capacity)
         return n
 
     def expire_allocations(self) -> tuple[int, list]:

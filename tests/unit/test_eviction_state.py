@@ -92,6 +92,25 @@ def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low
     assert state.match(NS.digest, conversation(9)).matched == 8
 
 
+def test_a_background_slice_out_of_time_stops_after_one_block_and_the_next_slices_go_on(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    for i in range(10):  # 44 blocks: the last write passes the high watermark (43.2) and evicts 4
+        clock.now = 1000 + i
+        write(state, conversation(i))
+    assert state.evicted_blocks == 4 and state.cache_bytes == 40 * BLOCK
+    slices = []
+    while n := state.evict_slice(limit=64, seconds=-1.0):  # a deadline already past
+        slices.append(n)
+    # one block a slice, the least recently used leaves first, down to the low watermark (38.4)
+    assert slices == [1, 1] and state.cache_bytes == 38 * BLOCK
+    assert cached(state, conversation(0)) == [True] * 4 + [False] * 4
+    assert cached(state, conversation(1)) == [True] * 6 + [False] * 2
+    assert_consistent(state)
+    # with time to spare, the count bounds a slice: nothing left above the low mark
+    assert state.evict_slice(limit=64, seconds=10.0) == 0
+
+
 def test_expiry_of_a_parent_drops_its_descendants_and_their_pending_commits(make_state):
     clock = Clock()
     state = make_state(clock)
