@@ -121,6 +121,11 @@ class Staged:
     gone_children: dict[bytes, set[bytes]] = field(default_factory=dict)  # parent -> its child keys deleted here
     chunks: list[meta_pb2.StoredChunk] = field(default_factory=list)
     parents: dict[bytes, bytes] = field(default_factory=dict)  # parents' rows read here (eviction pops them next)
+    # eviction index entries of parents left without children here, put when the batch is written:
+    # an eviction walking back through a prompt removes most of them in the same batch, and an
+    # entry put and deleted in one batch would still leave a deleted entry (a tombstone) that
+    # every later scan of the index steps over (30 us a step at 1M blocks, from such trails)
+    leaves: set[bytes] = field(default_factory=set)
 
 
 class Reader:
@@ -603,7 +608,11 @@ class BlockTable:
         b.delete(BLOCK + full)
         b.delete_row(full[:KEY_BYTES], row.slot)
         b.delete(expiry_key(row.last_used + row.ttl, full))
-        self.unleaf(b, victim_key(row.rank, row.last_used, row.depth, full))
+        vkey = victim_key(row.rank, row.last_used, row.depth, full)
+        if vkey in staged.leaves:
+            staged.leaves.discard(vkey)  # a leaf since earlier in this batch: never stored
+        else:
+            self.unleaf(b, vkey)
         b.delete(SHORT + full)
         for n in row.servers:
             b.delete(replica_key(n, full))
@@ -637,10 +646,13 @@ class BlockTable:
         staged.parents[parent] = raw
         prow = Row.decode(raw)
         vkey = victim_key(prow.rank, prow.last_used, prow.depth, parent)
-        self.leaf(b, vkey)
+        staged.leaves.add(vkey)
         return vkey
 
     def write(self, staged: Staged) -> None:
+        for vkey in staged.leaves:
+            self.leaf(staged.batch, vkey)
+        staged.leaves.clear()
         self._counters(staged.batch)
         self.db.write(staged.batch)
 
@@ -706,27 +718,23 @@ class BlockTable:
         reader = Reader(self.db)
         index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
         floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
-        freed, cursor, exhausted = 0, floor, False
-        heap: list[bytes] = []  # candidates: index keys scanned, and parents that became leaves
+        entries = (k for k, _ in self.db.scan(index, start=floor))  # read one at a time, as needed
+        ahead = next(entries, None)  # the index's next entry not yet taken
+        if ahead is not None:  # what lies below is deleted entries only
+            if tenant is None:
+                self.victim_floor = ahead
+            else:
+                self.tenant_floors[index] = ahead
+        freed = 0
+        heap: list[bytes] = []  # candidates: index entries taken, and parents that became leaves
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         while freed < nbytes and len(staged.removed) < limit:
             if deadline is not None and staged.removed and time.perf_counter() > deadline:
                 break
-            if not exhausted and (not heap or heap[0] >= cursor):
-                # a few at a time: most victims after the first are parents that became leaves
-                want = min(32, 2 * limit + 16)
-                scanned = [k for k, _ in self.db.scan(index, start=cursor, limit=want)]
-                exhausted = len(scanned) < want
-                if scanned:
-                    if cursor == floor:  # what lies below is deleted entries only
-                        floor = scanned[0]
-                        if tenant is None:
-                            self.victim_floor = floor
-                        else:
-                            self.tenant_floors[index] = floor
-                    cursor = scanned[-1] + b"\x00"
-                for k in scanned:
-                    heapq.heappush(heap, k)
+            # the lowest candidate: from the heap, or the index's next entry if that sorts lower
+            while ahead is not None and (not heap or ahead < heap[0]):
+                heapq.heappush(heap, ahead)
+                ahead = next(entries, None)
             if not heap:
                 break
             key = heapq.heappop(heap)

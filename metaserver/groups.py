@@ -20,16 +20,23 @@ A group's value:
     expires   64 x f64        last use + ttl (0.0: no row)
     loc_ends  65 x u32        where each slot's location ends in `locs` (entry 0 is 0)
     rest_ends 65 x u32        the same for `rests`
-    copies    u8              the fewest servers any chunk of the group's rows is on
-    servers   u16 count, then u16 numbers: every server some row of the group names
+    copies    u8              the fewest servers any chunk of the group's rows is on (a lower bound)
+    servers   u16 count, then u16 numbers: every server some row of the group names (a superset)
     locs      the rows' framed BlockLocations, in slot order (records.py)
     rests     the rows without their locations, in slot order
 
 so a slot's row as records.Row encodes it is `rests[k] + locs[k]`.
+
+Removing rows (eviction, expiry) cuts them out of the value without repacking
+the others (`without`), and leaves `copies` and `servers` as they were: a lower
+bound and a superset, which is all lookups need (a server named but used by no
+row only sends a lookup down the careful path when it is down). The next row
+written into the group packs it whole and exact again.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 from kvfs.keys import KEY_BYTES
@@ -156,6 +163,33 @@ def locations(value: bytes, offset: int, m: int) -> bytes:
     return value[locs + start : locs + end]
 
 
+def without(value: bytes, offsets: set[int]) -> bytes | None:
+    """A group's value with the rows in slots `offsets` removed, the others as
+    they are (see the module docstring); None if no row is left."""
+    keys = bytearray(value[:_EXPIRES])
+    expires = list(_EXPIRY_ALL.unpack_from(value, _EXPIRES))
+    for k in offsets:
+        keys[KEY_BYTES * k : KEY_BYTES * (k + 1)] = NO_KEY
+        expires[k] = 0.0
+    if not any(keys):
+        return None
+    loc_ends, rest_ends = _ENDS.unpack_from(value, _LOC_ENDS), _ENDS.unpack_from(value, _REST_ENDS)
+    locs, rests = _areas(value)
+    cut = [k in offsets for k in range(GROUP_SLOTS)]
+    new_locs = list(itertools.accumulate((0 if c else b - a for c, a, b in zip(cut, loc_ends, loc_ends[1:])),
+                                         initial=0))
+    new_rests = list(itertools.accumulate((0 if c else b - a for c, a, b in zip(cut, rest_ends, rest_ends[1:])),
+                                          initial=0))
+    kept_locs, kept_rests, start = [], [], 0
+    for k in [*sorted(offsets), GROUP_SLOTS]:  # the runs of slots between the removed ones
+        if k > start:
+            kept_locs.append(value[locs + loc_ends[start] : locs + loc_ends[k]])
+            kept_rests.append(value[rests + rest_ends[start] : rests + rest_ends[k]])
+        start = k + 1
+    return b"".join((keys, _EXPIRY_ALL.pack(*expires), _ENDS.pack(*new_locs), _ENDS.pack(*new_rests),
+                     value[_COPIES:locs], *kept_locs, *kept_rests))
+
+
 def stage(db, changes: dict[tuple[bytes, int], bytes | None], batch) -> None:
     """Adds to `batch` (a rocksdict WriteBatch) the groups these row changes
     ((namespace digest, slot) -> row, None: removed) make of the groups as stored now."""
@@ -164,10 +198,13 @@ def stage(db, changes: dict[tuple[bytes, int], bytes | None], batch) -> None:
         by_group.setdefault(group_key(ns, slot // GROUP_SLOTS), []).append((slot % GROUP_SLOTS, raw))
     names = list(by_group)
     for name, value in zip(names, db.get(names)):
-        rows = unpack(value)
-        for offset, raw in by_group[name]:
-            rows[offset] = raw
-        packed = pack(rows)
+        if value is not None and all(raw is None for _, raw in by_group[name]):
+            packed = without(value, {offset for offset, _ in by_group[name]})
+        else:
+            rows = unpack(value)
+            for offset, raw in by_group[name]:
+                rows[offset] = raw
+            packed = pack(rows)
         if packed is None:
             batch.delete(name)
         else:

@@ -106,6 +106,29 @@ def test_a_group_value_holds_its_rows_and_their_lookup_fields():
     assert groups.run_length(value, 5, bytes([6]) * 16, 0, 1) == 1
 
 
+def test_rows_cut_out_of_a_group_leave_the_others_as_packing_them_would():
+    import random
+    rng = random.Random(5)
+    rows = [None] * groups.GROUP_SLOTS
+    for slot in rng.sample(range(groups.GROUP_SLOTS), 40):
+        row = Row(ttl=100, depth=slot, hits=1, created=1.0, last_used=float(slot), rank=0.0, footprint=1, nbytes=1,
+                  parent=b"", servers=(slot % 5, 9), ttl_class="chat", location=b"\x12\x03\x1a\x01" + bytes([slot]),
+                  layout=LAYOUT_MSG.SerializeToString(), key=bytes([slot + 1]) * 16, slot=slot)
+        rows[slot] = row.encode()
+    value = groups.pack(rows)
+    gone = set(rng.sample(groups.occupied(value), 25))
+    cut = groups.without(value, gone)
+    kept = [None if k in gone else raw for k, raw in enumerate(rows)]
+    exact = groups.pack(kept)
+    assert groups.unpack(cut) == kept and groups.occupied(cut) == groups.occupied(exact)
+    assert groups.expiry_times(cut, 0, groups.GROUP_SLOTS) == groups.expiry_times(exact, 0, groups.GROUP_SLOTS)
+    assert groups.locations(cut, 0, groups.GROUP_SLOTS) == groups.locations(exact, 0, groups.GROUP_SLOTS)
+    # the servers and fewest copies stay: a superset and a lower bound
+    assert set(groups.server_numbers(cut)) >= set(groups.server_numbers(exact))
+    assert groups.fewest_copies(cut) <= groups.fewest_copies(exact)
+    assert groups.without(value, set(groups.occupied(value))) is None
+
+
 def test_hits_wait_their_delay_then_move_the_rows_last_use(make_state):
     clock = Clock()
     state = make_state(clock)
