@@ -84,6 +84,7 @@ def timed(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         metrics = self.rpc_metrics
+        self.state.client_calls += 1
         t0 = time.perf_counter()
         try:
             return await method(self, request, context)

@@ -90,6 +90,7 @@ class MetaState:
         self.deletes_left_to_gc = 0  # deletes for servers that were down with full queues (orphan GC's)
         self.gc_deleted_chunks = 0
         self.evicting = False  # between passing the high watermark and reaching the low one
+        self.client_calls = 0  # lookups and writes begun (metrics.timed): background passes yield to them
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
         self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
