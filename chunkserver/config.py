@@ -24,7 +24,8 @@ class ChunkserverConfig:
                           "filesystem allows it)", ("auto", "direct", "buffered"))
     uring_entries: int = option(256, "io_uring submission queue size")
     max_chunk_size: int = size_field(64 * MiB, "largest chunk accepted")
-    max_read_bytes: int = size_field(256 * MiB, "most bytes one ReadChunks call may ask for")
+    max_read_bytes: int = size_field(256 * MiB, "most bytes one read may cost: its ranges widened to the "
+                                     "64 KiB checksum blocks that are read and sent")
     max_ranges: int = option(4096, "most ranges one ReadChunks call may ask for")
     scrub_rate: int = size_field(64 * MiB, "background checksum verification of every stored chunk reads at "
                                  "most this many bytes/s (0: no background passes)")

@@ -8,9 +8,10 @@ for room among all connections' (ReadBuffers, data_read_buffers). Time and
 slots are bounded too: a request must arrive whole within `data_request_timeout`
 of its first byte (a connection may idle IDLE_TIMEOUT between requests), a
 client that stops reading is cut off after SEND_TIMEOUT, and one client host
-holds at most `data_peer_connections` of the MAX_CONNECTIONS slots: a host that
-opens connections and sends half a header holds them seconds, not minutes, and
-never all of them.
+holds at most `data_peer_connections` of the MAX_CONNECTIONS slots, and the last
+quarter of them only go to hosts holding few (NEWCOMER_SLOTS): a host that opens
+connections and sends half a header holds them seconds, not minutes, and neither
+it nor a few such hosts together hold all of them.
 
   buffered mode: the reply header, then every range straight from the page cache
                  with sendfile(2): the bytes never enter this process;
@@ -63,6 +64,11 @@ log = logging.getLogger(__name__)
 MAX_SHM = 4 << 30
 FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor per receive; the kernel closes extras
 MAX_CONNECTIONS = 256
+# The last quarter of the slots is kept for hosts holding few connections: past
+# MAX_CONNECTIONS - NEWCOMER_SLOTS open, a host holding NEWCOMER_CONNECTIONS or more
+# gets no other, so a few hosts at their data_peer_connections each never hold every slot
+NEWCOMER_SLOTS = MAX_CONNECTIONS // 4
+NEWCOMER_CONNECTIONS = 8
 SEND_TIMEOUT = 30.0
 IDLE_TIMEOUT = 600.0
 TLS_READ = 1 << 20  # bytes read from the page cache at a time for a TLS connection (no sendfile through TLS)
@@ -325,6 +331,8 @@ class _Handler(socketserver.BaseRequestHandler):
             if isinstance(err, PermissionDenied):
                 self.store.counters.rejected_requests += 1
                 log.warning("data port: read from %s without a valid read grant; refused", self.client_address)
+            else:
+                log.warning("data port: read from %s refused: %s", self.client_address, err.message)
             self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
             reads.served(0, time.perf_counter() - arrived)
             return
@@ -520,9 +528,16 @@ class DataServer(socketserver.ThreadingTCPServer):
                 log.warning("data port: refusing %s: %d connections open", peer, len(self._open))
                 self.refused += 1
                 return False
-            if self._per_peer.get(peer, 0) >= self.peer_connections:
+            held = self._per_peer.get(peer, 0)
+            if held >= self.peer_connections:
                 log.warning("data port: refusing another connection from %s: it holds %d already "
-                            "(data_peer_connections)", peer, self._per_peer[peer])
+                            "(data_peer_connections)", peer, held)
+                self.refused += 1
+                return False
+            if len(self._open) >= MAX_CONNECTIONS - NEWCOMER_SLOTS and held >= NEWCOMER_CONNECTIONS:
+                log.warning("data port: refusing another connection from %s: it holds %d and %d of %d slots are "
+                            "taken; the rest are kept for hosts holding fewer than %d", peer, held,
+                            len(self._open), MAX_CONNECTIONS, NEWCOMER_CONNECTIONS)
                 self.refused += 1
                 return False
             self._open[request] = peer

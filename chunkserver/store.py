@@ -39,6 +39,7 @@ from kvfs.buffers import PAGE, aligned_bytearray
 from kvfs.checksum import BLOCK, block_checksum, block_checksums, checksum_of_blocks
 from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
+from kvfs import wire
 from kvfs.grants import owner_namespace
 
 from .config import ChunkserverConfig
@@ -380,12 +381,13 @@ class ChunkStore:
                                             f"range [{offset}, {offset + length}) is outside chunk "
                                             f"{short_id(chunk_id)} of {rec.length} bytes")
                     continue
-                total += length
+                total += wire.widen(offset, length, rec.length)[1]  # what is read and sent, not what was asked
                 plan.append(PlannedRead(i, chunk_id, rec, offset, length))
             else:
                 results[i] = ReadResult(grpc.StatusCode.NOT_FOUND, f"chunk {short_id(chunk_id)} not found on {self.cfg.id}")
         if total > self.cfg.max_read_bytes:
-            raise InvalidArgument(f"read of {total} bytes in one call; at most {self.cfg.max_read_bytes}")
+            raise InvalidArgument(f"read of {total} bytes in one call (its ranges widened to whole {BLOCK >> 10} KiB "
+                                  f"checksum blocks); at most {self.cfg.max_read_bytes}")
         with self._pin_lock:
             for p in plan:
                 self._pins[p.rec.slot] += 1

@@ -55,6 +55,10 @@ class Allocation:
 
 
 def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
+    """The keys as a list, once they are few enough (counted before a Python object is
+    made for each: a request just under the byte limit holds millions) and well formed."""
+    if hasattr(keys, "__len__") and len(keys) > max_keys:
+        raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {max_keys}")
     keys = list(keys)
     if len(keys) > max_keys:
         raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {max_keys}")
@@ -232,6 +236,8 @@ class Allocations:
         for i, key in enumerate(record.keys):
             chunks_by_key[key] = list(record.chunks[i * per_block : (i + 1) * per_block])
             parents[key] = record.parents[i] if i < len(record.parents) else b""
+        if len(req.blocks) > self.cfg.max_keys:
+            raise InvalidArgument(f"{len(req.blocks)} blocks in one CommitBlocks; at most {self.cfg.max_keys}")
         keys = check_keys((b.key for b in req.blocks), "CommitBlocks", self.cfg.max_keys)
         unknown = [k for k in keys if k not in chunks_by_key]
         if unknown:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import logging
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -19,6 +22,8 @@ from kvfs.serving import STALL_BOUNDS, LoopStats
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, timed
 from .state import MetaState
+
+log = logging.getLogger(__name__)
 
 # After an eviction, how long a writer's call waits for the deletes to reach the
 # chunkservers: its chunk writes should find the space free there, not only in
@@ -40,15 +45,62 @@ SERVICE = "kvfs.meta.MetaService"
 RAW_REPLIES = {"MatchPrefix"}  # their handlers return the reply already serialized
 
 
+KEY_FIELD_BYTES = 18  # a 16-byte key in a repeated bytes field: tag, length, key
+
+
+def request_limits(cfg) -> dict[str, int]:
+    """The most bytes a real request of each method needs, where that is far below
+    max_request_bytes (the bound gRPC applies to every request): a request's keys as
+    max_keys allows and room for the rest. A request just under the gRPC bound
+    would otherwise be parsed whole (3.7M keys: 67 MB read, 271 MiB parsed)."""
+    keys = cfg.max_keys * KEY_FIELD_BYTES + 64 * 1024
+    return {"MatchPrefix": keys, "AllocateBlocks": keys}
+
+
+@dataclasses.dataclass(frozen=True)
+class Oversized:
+    """What the deserializer hands a method instead of a request past its limit."""
+
+    method: str
+    size: int
+    limit: int
+
+
+def _bounded(parse, method: str, limit: int):
+    def deserialize(raw: bytes):
+        return Oversized(method, len(raw), limit) if len(raw) > limit else parse(raw)
+
+    return deserialize
+
+
+def _refusing_oversized(handler):
+    @functools.wraps(handler)
+    async def call(request, context):
+        if isinstance(request, Oversized):
+            log.warning("refused a %s of %d bytes from %s: at most %d", request.method, request.size,
+                        context.peer(), request.limit)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a {request.method} request of {request.size} bytes is larger than the "
+                                f"{request.limit} bytes one of max_keys keys needs; unread")
+        return await handler(request, context)
+
+    return call
+
+
 def add_to_server(servicer: MetaServicer, server) -> None:
     """What the generated add_MetaServiceServicer_to_server does, except that the
-    methods in RAW_REPLIES send the bytes their handler returns as they are."""
+    methods in RAW_REPLIES send the bytes their handler returns as they are, and the
+    methods in request_limits() refuse requests past their limit unparsed."""
     handlers = {}
+    limits = request_limits(servicer.state.cfg)
     for method in meta_pb2.DESCRIPTOR.services_by_name["MetaService"].methods:
         request = getattr(meta_pb2, method.input_type.name)
         reply = getattr(meta_pb2, method.output_type.name)
+        handler, parse = getattr(servicer, method.name), request.FromString
+        if method.name in limits:
+            handler, parse = _refusing_oversized(handler), _bounded(parse, method.name, limits[method.name])
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method.name), request_deserializer=request.FromString,
+            handler, request_deserializer=parse,
             response_serializer=bytes if method.name in RAW_REPLIES else reply.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
@@ -90,7 +142,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         evicted = self.state.evicted_blocks
         digest = namespace_digest(request.namespace, context)
         self.state.blocks.usage.note(digest, request.namespace.tenant)  # its blocks are billed to the tenant
-        reply = await self.state.allocate_async(digest, list(request.keys), request.layout, request.parent)
+        reply = await self.state.allocate_async(digest, request.keys, request.layout, request.parent)
         await self.state.durable()
         await self._free_evicted(evicted)
         return reply
@@ -108,7 +160,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     @timed
     async def MatchPrefix(self, request, context):
-        return self.state.match_bytes(namespace_digest(request.namespace, context), list(request.keys),
+        return self.state.match_bytes(namespace_digest(request.namespace, context), request.keys,
                                       request.namespace.tenant)
 
     @handles_errors

@@ -313,16 +313,3 @@ def settled(pid: int, before: Footprint, spare: int = 2, threads: int | None = N
         return wait_until(back, timeout, "threads and descriptors back to what they were")
     except AssertionError as err:
         raise AssertionError(f"{err}: before {before}, now {Footprint.of(pid)}") from None
-
-
-class NotYetBounded(AssertionError):
-    """A bound (or a client served) that an attack test states and the server does
-    not keep yet: a known hole, described where it is raised. Such a test is marked
-    pytest.mark.xfail(raises=NotYetBounded, strict=True): any other failure still
-    fails it, and it fails once the server keeps the bound (drop the mark then)."""
-
-
-def keeps(condition: bool, message: str) -> None:
-    """Raises NotYetBounded(message) unless `condition`: for what a known hole breaks."""
-    if not condition:
-        raise NotYetBounded(message)
