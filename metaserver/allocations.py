@@ -97,6 +97,11 @@ class Allocations:
         """What open allocations, and allocations still being placed, will add to the cache."""
         return sum(a.footprint for a in self.open.values()) + sum(n for n, _ in self.placing.values())
 
+    def tenant_incoming(self, tenant: str) -> int:
+        """What a tenant's open allocations will add to the cache once committed."""
+        tenant_of = self.blocks.usage.tenant_of
+        return sum(a.footprint for a in self.open.values() if tenant_of(a.record.namespace_digest) == tenant)
+
     def pinned(self) -> set[bytes]:
         """The parents of open allocations' blocks (their commits need them), and the
         blocks of allocations still being placed."""

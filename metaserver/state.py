@@ -239,28 +239,36 @@ class MetaState:
         still does not fit (its blocks are all in use: pinned, or hit in the last
         second). A generator (yields between slices); returns blocks evicted."""
         quota = self.cfg.quota_bytes(tenant, self.capacity_bytes())
+        if quota is None:
+            return 0
         record = self.blocks.usage.record_of(tenant)
-        held = record.cache_bytes if record is not None else 0
-        if quota is None or record is None or held + incoming <= quota:  # (a write over the quota was refused)
+        # its open allocations count as held: blocks allocated and never written must not evict others' for
+        # nothing, nor let a tenant past its quota a few allocations at a time (a write over it was refused)
+        pending = self.allocations.tenant_incoming(tenant)
+        held = (record.cache_bytes if record is not None else 0) + pending
+        if held + incoming <= quota:
             return 0
         need = held + incoming - int(self.cfg.evict_low * quota)
-        evicted = 0
-        while evicted < limit and held - record.cache_bytes < need:
+        evicted = freed = 0
+        while record is not None and evicted < limit and freed < need:
             if evicted:
                 yield
             step = min(EVICT_SLICE, limit - evicted)
-            n, chunks = self.blocks.evict(need - (held - record.cache_bytes), self.allocations.pinned(), step,
-                                          tenant=tenant)
+            was = record.cache_bytes
+            n, chunks = self.blocks.evict(need - freed, self.allocations.pinned(), step, tenant=tenant)
             self.queue_deletes(chunks)
+            freed += was - record.cache_bytes
             evicted += n
             if n < step:
                 break
-        log.info("tenant %r over its quota of %.1f MiB: evicted %d of its blocks, %.1f MiB, for a write of %.1f MiB",
-                 tenant, quota / MiB, evicted, (held - record.cache_bytes) / MiB, incoming / MiB)
-        if record.cache_bytes + incoming > quota:
-            raise ResourceExhausted(f"tenant {tenant!r} holds {record.cache_bytes} bytes of its {quota}-byte quota "
-                                    f"(tenant_quotas) and no more of its blocks can be evicted now (in use by "
-                                    f"writes in flight, or hit in the last second); try again")
+        log.info("tenant %r over its quota of %.1f MiB: evicted %d of its blocks, %.1f MiB, for a write of %.1f MiB "
+                 "(%.1f MiB in its open allocations)", tenant, quota / MiB, evicted, freed / MiB, incoming / MiB,
+                 pending / MiB)
+        if held - freed + incoming > quota:
+            raise ResourceExhausted(f"tenant {tenant!r} holds {held - freed} bytes of its {quota}-byte quota "
+                                    f"(tenant_quotas; {pending} of them in allocations not committed yet) and no "
+                                    f"more of its blocks can be evicted now (in use by writes in flight, or hit in "
+                                    f"the last second); try again")
         return evicted
 
     def _evict(self, need: int, pinned: set[bytes], limit: int, deadline: float | None = None) -> int:

@@ -64,6 +64,19 @@ def test_a_write_larger_than_the_quota_is_refused_before_anything_is_evicted(mak
     assert cached(state, A, keys) == 4 and state.evicted_blocks == 0
 
 
+def test_allocations_never_committed_count_against_their_tenants_quota(make_state):
+    state = make_state(tenant_quotas="tenant-b=1MiB")  # 16 blocks
+    a = block_keys(A, range(4 * 32), 4)
+    assert write(state, A, a) == 32
+    state.blocks.usage.note(B.digest, B.tenant)
+    for i in range(4):  # B allocates its whole quota, four blocks at a time, and never writes a byte
+        state.allocate(B.digest, block_keys(B, range(100 * i, 100 * i + 16), 4), LAYOUT_MSG)
+    with pytest.raises(ResourceExhausted, match="allocations not committed yet"):
+        state.allocate(B.digest, block_keys(B, range(900, 916), 4), LAYOUT_MSG)
+    assert state.evicted_blocks == 0 and cached(state, A, a) == 32  # nobody's blocks went for B's allocations
+    assert_metadata_consistent(state)
+
+
 def test_quotas_read_as_sizes_or_shares_of_the_cache():
     cfg = MetaserverConfig(tenant_quotas="acme=2GiB, *=25%")
     assert cfg.quota_bytes("acme", 1000) == 2 << 30 and cfg.quota_bytes("other", 1000) == 250
