@@ -367,9 +367,12 @@ class ChunkStore:
         results = [ReadResult() for _ in ranges]
         plan: list[PlannedRead] = []
         total = 0
+        records: dict[bytes, ChunkRecord | None] = {}  # each chunk's record read once, however many ranges name it
         for i, (chunk_id, offset, length) in enumerate(ranges):
             self._check_id(chunk_id)
-            rec = self.get(chunk_id)
+            if chunk_id not in records:
+                records[chunk_id] = self.get(chunk_id)
+            rec = records[chunk_id]
             if rec is not None and namespace is not None and owner_namespace(rec.owner) != namespace:
                 results[i] = ReadResult(grpc.StatusCode.PERMISSION_DENIED,
                                         f"chunk {short_id(chunk_id)} is not in the namespace the read grant is for")
@@ -382,20 +385,22 @@ class ChunkStore:
                                             f"{short_id(chunk_id)} of {rec.length} bytes")
                     continue
                 total += wire.widen(offset, length, rec.length)[1]  # what is read and sent, not what was asked
+                if total > self.cfg.max_read_bytes:  # refused as soon as it is known, the rest unread
+                    raise InvalidArgument(f"read of more than {self.cfg.max_read_bytes} bytes in one call (its ranges "
+                                          f"widened to whole {BLOCK >> 10} KiB checksum blocks); at most "
+                                          f"{self.cfg.max_read_bytes}")
                 plan.append(PlannedRead(i, chunk_id, rec, offset, length))
             else:
                 results[i] = ReadResult(grpc.StatusCode.NOT_FOUND, f"chunk {short_id(chunk_id)} not found on {self.cfg.id}")
-        if total > self.cfg.max_read_bytes:
-            raise InvalidArgument(f"read of {total} bytes in one call (its ranges widened to whole {BLOCK >> 10} KiB "
-                                  f"checksum blocks); at most {self.cfg.max_read_bytes}")
         with self._pin_lock:
             for p in plan:
                 self._pins[p.rec.slot] += 1
         # a delete that committed between the lookup and the pin may have freed the
         # slot: look again now that the pin holds it
         kept = []
+        now = {chunk_id: self.get(chunk_id) for chunk_id in {p.chunk_id for p in plan}}
         for p in plan:
-            if self.get(p.chunk_id) == p.rec:
+            if now[p.chunk_id] == p.rec:
                 kept.append(p)
             else:
                 self._unpin(p.rec.slot)

@@ -711,7 +711,7 @@ class BlockTable:
               deadline: float | None = None) -> tuple[int, list[meta_pb2.StoredChunk]]:
         """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
         are freed or `limit` blocks went, or (with `deadline`, a perf_counter time)
-        time is up, one block at least. Blocks in `pinned`, their ancestors and
+        time is up, one block at least (or 64 candidates looked at). Blocks in `pinned`, their ancestors and
         blocks hit since the last flush stay. With `tenant`, only that tenant's
         blocks go, taken from its own index. Returns (blocks, their chunks)."""
         staged = Staged()
@@ -728,9 +728,14 @@ class BlockTable:
         freed = 0
         heap: list[bytes] = []  # candidates: index entries taken, and parents that became leaves
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
+        examined = 0
         while freed < nbytes and len(staged.removed) < limit:
-            if deadline is not None and staged.removed and time.perf_counter() > deadline:
+            # out of time once a block went, or once many candidates could not go (hit, pinned): those
+            # stay at the front of the index until their hits are flushed, and are not to be read again
+            # and again within one slice
+            if deadline is not None and (staged.removed or examined >= 64) and time.perf_counter() > deadline:
                 break
+            examined += 1
             # the lowest candidate: from the heap, or the index's next entry if that sorts lower
             while ahead is not None and (not heap or ahead < heap[0]):
                 heapq.heappush(heap, ahead)
