@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
@@ -28,8 +29,10 @@ from .records import ALLOC, Row, row_layout
 
 log = logging.getLogger(__name__)
 
-COMMIT_PIECE = 64  # blocks whose rows a commit builds between two turns of the event loop
-ALLOCATE_PIECE = 64  # blocks an allocation places between two turns
+COMMIT_PIECE = 64  # blocks a commit decides and writes in one batch, between two turns of the event loop
+# The most one step of work should hold the event loop (checked between blocks): a commit
+# building its rows, an allocation placing its blocks, a slice of eviction (state.py)
+SLICE_SECONDS = 0.0015
 
 
 @dataclass(slots=True)
@@ -115,7 +118,7 @@ class Allocations:
                        make_room: Callable[[int], Generator]):
         """Places the chunks of the keys not committed yet. `parent` is the key before
         keys[0] (empty: keys[0] is a prompt's first block). A generator that yields
-        between pieces of ALLOCATE_PIECE blocks (and between eviction slices), so
+        between steps of placement of at most SLICE_SECONDS (and between eviction slices), so
         a server serves other calls meanwhile; returns the AllocateBlocksReply. Each
         piece places against the servers' free space as it is then, this and other
         allocations' chunks placed so far included."""
@@ -174,16 +177,20 @@ class Allocations:
 
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
                layout_msg, spans, placed: list):
-        """allocate_steps' placement, ALLOCATE_PIECE blocks a step; the reply."""
+        """allocate_steps' placement, a step of at most SLICE_SECONDS at a time, each with the
+        chains and free space as of its start; the reply."""
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
                                              chunk_size=self.cfg.chunk_size)
         record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
                                            expires_at=self.clock() + self.cfg.allocation_timeout)
         prev = parent
+        deadline, fresh = time.perf_counter() + SLICE_SECONDS, False
         for i, (key, existing) in enumerate(zip(keys, present)):
-            if i % ALLOCATE_PIECE == 0:
-                if i:
-                    yield
+            if i and time.perf_counter() > deadline:
+                yield
+                deadline, fresh = time.perf_counter() + SLICE_SECONDS, False
+            if not fresh:
+                fresh = True
                 # servers may have gone silent while other calls ran: chains and free space as of now
                 self.members.refresh_liveness()
                 live = self.members.live_servers()
@@ -218,7 +225,8 @@ class Allocations:
         blocks whose parent expired meanwhile, which nothing could reach; each
         piece's are also passed to `discard` as soon as the piece is written, so a
         commit cut short after some pieces does not leave theirs undeleted). A
-        generator that yields between pieces of COMMIT_PIECE blocks, so a server can
+        generator that yields between steps of at most SLICE_SECONDS building rows, then between pieces of
+        COMMIT_PIECE blocks deciding and writing them, so a server can
         serve other calls while a large commit builds its rows, then decides and
         writes them. Each piece's decision (first writer wins, parent present) is
         made in one step with its write, so interleaving cannot change it; a
@@ -268,9 +276,11 @@ class Allocations:
         try:
             now = self.clock()
             rows: dict[bytes, Row] = {}  # each block's row, should it be committed
-            for i, block in enumerate(blocks):
-                if i and i % COMMIT_PIECE == 0:
+            deadline = time.perf_counter() + SLICE_SECONDS
+            for block in blocks:
+                if time.perf_counter() > deadline:
                     yield
+                    deadline = time.perf_counter() + SLICE_SECONDS
                 full = namespace_digest + block.key
                 if self.key:
                     self._check_receipts(block, chunks_by_key[block.key])

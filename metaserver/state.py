@@ -24,7 +24,7 @@ from kvfs.errors import InvalidArgument, ResourceExhausted
 from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.proto import meta_pb2
 
-from .allocations import Allocations, check_keys
+from .allocations import SLICE_SECONDS, Allocations, check_keys
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
@@ -35,8 +35,6 @@ log = logging.getLogger(__name__)
 
 EVICT_INLINE = 1024  # blocks a write may evict itself; the rest (down to the low watermark) in the background
 EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop at most
-# and the time one slice of removals may take (checked before each block; the batch write follows)
-SLICE_SECONDS = 0.0015
 
 
 def run_steps(steps):
