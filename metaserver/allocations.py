@@ -6,6 +6,7 @@ Open allocations are few (writes in flight, each gone within
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -92,9 +93,31 @@ class Allocations:
         # allocations between their first step and their last: (bytes, blocks to keep), so that
         # writers and eviction running between their steps count them and leave their parents
         self.placing: dict[bytes, tuple[int, set[bytes]]] = {}
+        # what both of them pin, counted: eviction asks about a key per victim, and rebuilding the
+        # set per call cost 131K steps (40 ms) with 262 allocations of 500 blocks open
+        self._pins: collections.Counter[bytes] = collections.Counter()
         self.write_pace = Gcra(cfg.tenant_write_rate)  # per tenant, in payload bytes of new blocks
         for key, raw in db.scan(ALLOC):
-            self.open[key[1:]] = Allocation.of(meta_pb2.AllocationRecord.FromString(raw))
+            self._opened(key[1:], Allocation.of(meta_pb2.AllocationRecord.FromString(raw)))
+
+    def _opened(self, alloc_id: bytes, alloc: Allocation) -> None:
+        self.open[alloc_id] = alloc
+        self._pin(self._parents(alloc), +1)
+
+    def _closed(self, alloc_id: bytes) -> Allocation:
+        alloc = self.open.pop(alloc_id)
+        self._pin(self._parents(alloc), -1)
+        return alloc
+
+    @staticmethod
+    def _parents(alloc: Allocation) -> list[bytes]:
+        return [alloc.record.namespace_digest + p for p in alloc.record.parents if p]
+
+    def _pin(self, keys, delta: int) -> None:
+        for k in keys:
+            self._pins[k] += delta
+            if not self._pins[k]:
+                del self._pins[k]
 
     def incoming_bytes(self) -> int:
         """What open allocations, and allocations still being placed, will add to the cache."""
@@ -107,9 +130,9 @@ class Allocations:
 
     def pinned(self) -> set[bytes]:
         """The parents of open allocations' blocks (their commits need them), and the
-        blocks of allocations still being placed."""
-        pins = {a.record.namespace_digest + p for a in self.open.values() for p in a.record.parents if p}
-        return pins.union(*(p for _, p in self.placing.values()))
+        blocks of allocations still being placed: a live view (`in` is all it offers
+        cheaply), kept up to date as allocations open and close."""
+        return self._pins.keys()
 
     def chunk_ids(self) -> set[bytes]:
         return set().union(*(a.chunk_ids for a in self.open.values()))
@@ -160,6 +183,7 @@ class Allocations:
                                     f"{over:.2f} s")
         alloc_id = os.urandom(16)
         self.placing[alloc_id] = (incoming, {namespace_digest + k for k in (parent, *keys) if k})
+        self._pin(self.placing[alloc_id][1], +1)
         placed: list[tuple[ServerState, int]] = []  # pending bytes added, undone if this never finishes
         try:
             yield
@@ -172,7 +196,7 @@ class Allocations:
                 server.pending_bytes = max(0, server.pending_bytes - n)
             raise
         finally:
-            del self.placing[alloc_id]
+            self._pin(self.placing.pop(alloc_id)[1], -1)
         return reply
 
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
@@ -214,7 +238,7 @@ class Allocations:
                     placed.append((live[s], span.length))
         if record.keys:
             self.db.put(ALLOC + alloc_id, record.SerializeToString())
-            self.open[alloc_id] = Allocation.of(record)
+            self._opened(alloc_id, Allocation.of(record))
         return reply
 
     def commit_steps(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest,
@@ -356,7 +380,7 @@ class Allocations:
             garbage += chunks_by_key.pop(key, [])  # allocated, not named by the commit: abandoned
         if last:
             batch.delete(ALLOC + alloc_id)
-            del self.open[alloc_id]
+            self._closed(alloc_id)
         else:
             record.settled = settled
             batch.put(ALLOC + alloc_id, record.SerializeToString())
@@ -383,7 +407,7 @@ class Allocations:
         if expired:
             batch = Batch()
             for a in expired:
-                garbage += self.open.pop(a).unsettled_chunks()
+                garbage += self._closed(a).unsettled_chunks()
                 batch.delete(ALLOC + a)
             self.db.write(batch)
         return len(expired), garbage

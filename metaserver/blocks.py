@@ -719,14 +719,16 @@ class BlockTable:
         index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
         floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
         entries = (k for k, _ in self.db.scan(index, start=floor))  # read one at a time, as needed
-        ahead = next(entries, None)  # the index's next entry not yet taken
+        ahead, unread = next(entries, None), False  # the index's next entry not yet taken
         if ahead is not None:  # what lies below is deleted entries only
             if tenant is None:
                 self.victim_floor = ahead
             else:
                 self.tenant_floors[index] = ahead
+        run = len(index) + 16  # an entry's rank and last use: a commit's run of blocks shares them
+        last = b""  # the candidate taken last
         freed = 0
-        heap: list[bytes] = []  # candidates: index entries taken, and parents that became leaves
+        heap: list[bytes] = []  # candidates: parents that became leaves
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         examined = 0
         while freed < nbytes and len(staged.removed) < limit:
@@ -736,13 +738,22 @@ class BlockTable:
             if deadline is not None and (staged.removed or examined >= 64) and time.perf_counter() > deadline:
                 break
             examined += 1
-            # the lowest candidate: from the heap, or the index's next entry if that sorts lower
-            while ahead is not None and (not heap or ahead < heap[0]):
-                heapq.heappush(heap, ahead)
-                ahead = next(entries, None)
-            if not heap:
-                break
-            key = heapq.heappop(heap)
+            # the lowest candidate: a parent from the heap, or the index's next entry if that sorts lower.
+            # A parent of the run just taken from goes first without reading the index on: stepping to
+            # the index's next live entry crosses the deleted entries of the runs evicted before (a
+            # RocksDB iterator steps over each), and no other entry sorts inside the run
+            if heap and last and heap[0][:run] == last[:run]:
+                key = heapq.heappop(heap)
+            else:
+                if unread:
+                    ahead, unread = next(entries, None), False
+                if ahead is not None and (not heap or ahead < heap[0]):
+                    key, unread = ahead, True
+                elif heap:
+                    key = heapq.heappop(heap)
+                else:
+                    break
+            last = key
             vkey = key if tenant is None else VICTIM + key[len(index) :]
             full = vkey[-FULL:]
             if full in pinned or full in staged.removed:

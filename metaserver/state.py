@@ -274,7 +274,8 @@ class MetaState:
         `deadline`, a perf_counter time, as many as go by then)."""
         if need <= 0:
             return 0
-        n, chunks = self.blocks.evict(need, set(pinned) | self.allocations.pinned(), limit, deadline=deadline)
+        held = self.allocations.pinned()  # a live view: copying it per call cost as much as the slice
+        n, chunks = self.blocks.evict(need, set(pinned) | held if pinned else held, limit, deadline=deadline)
         self.queue_deletes(chunks)
         return n
 
