@@ -603,7 +603,7 @@ class BlockTable:
         its parent's children. With `stranding`, its children (if any) are queued to
         be dropped after it. Returns its parent's eviction index key if the parent
         is left without children (a leaf now, an eviction candidate). `reader`: the
-        batch's reads, where it has one (eviction)."""
+        batch's reads, where one serves many removals (eviction); else one for this one."""
         b = staged.batch
         b.delete(BLOCK + full)
         b.delete_row(full[:KEY_BYTES], row.slot)
@@ -631,16 +631,10 @@ class BlockTable:
         b.delete(ck)
         gone = staged.gone_children.setdefault(parent, set())
         gone.add(ck)
-        if parent in staged.removed:
+        reader = reader or Reader(self.db)
+        if parent in staged.removed or reader.has_children(parent, gone):
             return None
-        if reader is None:
-            if self.db.has_prefix(CHILD + parent, gone):
-                return None
-            (raw,) = self.rows([parent])
-        elif reader.has_children(parent, gone):
-            return None
-        else:
-            raw = reader.row(parent, near=row.slot - 1)  # a prompt's blocks take consecutive slots
+        raw = reader.row(parent, near=row.slot - 1)  # a prompt's blocks take consecutive slots
         if raw is None:
             return None
         staged.parents[parent] = raw

@@ -83,11 +83,7 @@ async def test_clients_that_never_read_hold_one_share_of_the_read_buffers(chunks
         wait_until(lambda: server.log_path.read_text().count("found no room among the read buffers") >= ATTACKERS - 1,
                    30, "the requests past the host's share refused")
         during = seen.sample()
-        for s in (*held, legit):
-            s.close()
-    after = settled(server.pid, seen.before)
-    before, peak = seen.before, seen.peak
-    grown = peak.rss - before.rss
+    after, before, peak, grown = closed(server, seen, (*held, legit))
     print(f"saw: {ATTACKERS} connections from one host asking for {CHUNK // MiB} MiB each and reading nothing "
           f"grew the server by {grown / MiB:.0f} MiB at most; another host read {CHUNK // MiB} MiB meanwhile; "
           f"{seen.grew()}; while held {during}; closed: {after}")
@@ -95,6 +91,13 @@ async def test_clients_that_never_read_hold_one_share_of_the_read_buffers(chunks
     assert grown < 3 * CHUNK, f"resident memory grew {grown / MiB:.0f} MiB: more than a share of the buffers"
     assert peak.threads <= before.threads + ATTACKERS + 1 + SPARE_THREADS, seen
     assert peak.fds <= before.fds + ATTACKERS + 1 + SPARE_FDS, seen
+
+
+def closed(server, seen: Watch, sockets) -> tuple:
+    """Closes an attack's sockets; (the server's footprint once settled, before, peak, RSS growth)."""
+    for s in sockets:
+        s.close()
+    return settled(server.pid, seen.before), seen.before, seen.peak, seen.peak.rss - seen.before.rss
 
 
 @pytest.mark.parametrize("io_mode", ["direct", "buffered"])
@@ -125,11 +128,7 @@ async def test_clients_asking_for_thousands_of_ranges_and_reading_nothing_hold_b
         wait_until(lambda: server.log_path.read_text().count("checksum blocks); at most") >= ATTACKERS, 30,
                    "the requests refused for what their ranges cost widened")
         during = seen.sample()
-        for s in (*held, legit):
-            s.close()
-    after = settled(server.pid, seen.before)
-    before, peak = seen.before, seen.peak
-    grown = peak.rss - before.rss
+    after, before, peak, grown = closed(server, seen, (*held, legit))
     # what the limits imply: the read buffers (direct mode), and per connection one request body, its reply
     # (encoded) and, over TLS in buffered mode, one piece read from the page cache
     per_connection = wire.MAX_BODY + reply_bytes + (TLS_READ if io_mode == "buffered" else 0)
