@@ -138,6 +138,9 @@ async def test_the_largest_match_prefix_the_byte_limit_lets_through_costs_its_by
     assert unread < 48 * MiB, seen
     assert peak.threads <= before.threads + SPARE, seen
     assert peak.fds <= before.fds + SPARE, seen
-    # the request's bytes as received and as parsed, and slack: what max_request_bytes is meant to bound
-    assert grown < 3 * DEFAULT_LIMIT, f"a MatchPrefix of {DEFAULT_LIMIT // MiB} MiB grew the metaserver " \
-                                      f"{grown / MiB:.0f} MiB"
+    # what max_request_bytes is meant to bound: the request held three times over at once (gRPC core's
+    # byte buffer, the slices grpcio copies out of it as bytes, their join into the one bytes the
+    # deserializer gets; the core's buffer is freed after the join), and slack for the transport's
+    # buffers, the lookups beside it and the allocator. Parsed, it took +549 to +598 MiB.
+    assert grown < 3 * DEFAULT_LIMIT + 64 * MiB, f"a MatchPrefix of {DEFAULT_LIMIT // MiB} MiB grew the " \
+                                                 f"metaserver {grown / MiB:.0f} MiB"
