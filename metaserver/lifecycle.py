@@ -69,6 +69,7 @@ class Lifecycle:
         While none came since the last slice, the pause is a quarter of that: the passes
         get most of an idle loop (an eviction after a burst of writes settles sooner)."""
         async with self._gate:
+            await self.state.reads.before_step()
             t0 = time.perf_counter()
             yield
             if SLICE_STALL:

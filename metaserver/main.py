@@ -16,8 +16,9 @@ from kvfs.serving import (LoopStats, MetricsServer, bound_address, cluster_key, 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, StatusCollector
+from .readsfirst import CountsLookups
 from .repair import Repairer
-from .service import MetaServicer, add_to_server
+from .service import SERVICE, MetaServicer, add_to_server
 from .state import MetaState
 
 log = logging.getLogger("kvfs.metaserver")
@@ -33,7 +34,8 @@ async def serve(cfg: MetaserverConfig) -> None:
     state = MetaState(cfg, key=cluster_key(cfg, "metaserver"))
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
-    server = grpc_server("metaserver", creds, cfg.max_request_bytes)
+    server = grpc_server("metaserver", creds, cfg.max_request_bytes,
+                         first=(CountsLookups(state.reads, f"/{SERVICE}/MatchPrefix"),))
     loop = LoopStats()
     state.members.watch(loop)
     registry = CollectorRegistry()

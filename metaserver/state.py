@@ -30,6 +30,7 @@ from .config import MetaserverConfig
 from . import records
 from .db import Batch, MetaDB
 from .membership import Membership, ServerState
+from .readsfirst import ReadsFirst
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +48,26 @@ def run_steps(steps):
             return done.value
 
 
-async def run_steps_async(steps, gate: asyncio.Lock):
+async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst):
     """run_steps(), serving the event loop between steps. Steps of all the calls
     sharing `gate` take turns, at most one per turn of the loop: eight writers each
     with a step ready would otherwise run eight steps between two polls of the
     sockets, and keep every lookup and heartbeat waiting that long. (Releasing the
     gate at the end of a step is not enough for that: a writer that finds it free
     and nobody waiting takes it in the same turn. So it is released in the next
-    turn, before which every other writer that came for it queues behind.)"""
+    turn, before which every other writer that came for it queues behind.) Each
+    step makes way for lookups first (readsfirst.py)."""
     loop = asyncio.get_running_loop()
     while True:
         await gate.acquire()
         try:
+            await reads.before_step()
             next(steps)
         except StopIteration as done:
             return done.value
         finally:
             loop.call_soon(gate.release)
-        await asyncio.sleep(0)
+        await reads.after_step()
 
 
 # Chunk copies waiting for deletion (about 100 B of memory each); background removals pause past it
@@ -91,6 +94,7 @@ class MetaState:
         self.client_calls = 0  # lookups and writes begun (metrics.timed): background passes yield to them
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
         self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
+        self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))
 
@@ -151,7 +155,7 @@ class MetaState:
                              parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
         return await run_steps_async(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
-                                                                     self.make_room_steps), self._write_turns)
+                                                                     self.make_room_steps), self._write_turns, self.reads)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """Commits blocks (Allocations.commit_steps); the chunks that became garbage
@@ -161,7 +165,7 @@ class MetaState:
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
-                                     self._write_turns)
+                                     self._write_turns, self.reads)
 
     def match_bytes(self, namespace_digest: bytes, keys: list[bytes], tenant: str = "") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is

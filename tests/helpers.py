@@ -151,6 +151,11 @@ def assert_metadata_consistent(state):
     allocs = state.allocations  # what eviction leaves alone, kept counted, is what the open allocations pin
     assert set(allocs.pinned()) == {a.record.namespace_digest + p for a in allocs.open.values()
                                     for p in a.record.parents if p}.union(*(p for _, p in allocs.placing.values()))
+    from kvfs.metaserver.allocations import Allocation
+
+    for alloc in allocs.open.values():  # kept as placing and commits go, as a fresh look at the record finds them
+        fresh = Allocation.of(alloc.record)
+        assert (alloc.footprint, alloc.chunk_ids) == (fresh.footprint, fresh.chunk_ids)
     parent = {f: f[:16] + r.parent for f, r in stored.items() if r.parent}
     assert all(p in stored for p in parent.values()), "a cached block lost its parent"
     children = {(p, f) for f, p in parent.items()}

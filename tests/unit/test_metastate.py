@@ -484,6 +484,7 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
     the sockets (every lookup and heartbeat would wait that long)."""
     import asyncio
 
+    from kvfs.metaserver.readsfirst import ReadsFirst
     from kvfs.metaserver.state import run_steps_async
 
     loop = asyncio.get_running_loop()
@@ -505,7 +506,7 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
 
     gate = asyncio.Lock()
     try:
-        results = await asyncio.gather(*(run_steps_async(steps(n), gate) for n in "abcdefgh"))
+        results = await asyncio.gather(*(run_steps_async(steps(n), gate, ReadsFirst()) for n in "abcdefgh"))
     finally:
         running[0] = False
     assert results == list("abcdefgh") and len(seen) == 40

@@ -1,0 +1,112 @@
+"""Lookups first. A restore is waiting on every MatchPrefix; a write-back or a background
+pass can wait a few milliseconds, so their steps make way for lookups.
+
+Making steps short is not enough on grpc.aio: a unary call takes about ten turns of the
+event loop from its arrival to its reply (each completion hops from gRPC's poller thread
+to the loop, then to the call's task), and a task with a step ready runs one every turn.
+One 1.5 ms step a turn made a trivial call take 12-15 ms (p50) instead of 1. So the
+steps of writes (state.run_steps_async) and of background passes (Lifecycle.turn)
+
+- wait, up to MAX_WAIT, while a lookup is under way (counted in by CountsLookups, the
+  server's first interceptor, as the call reaches the metaserver's code, and out when
+  gRPC says it ended), and
+- while lookups keep coming (one began within RECENT), leave TURNS turns of the loop
+  between two steps: a lookup's first turns, before any code of ours sees it, advance
+  in those.
+
+Measured on a bare grpc.aio server with 1.5 ms steps ready every turn and a call every
+3 ms: a health check took p50/p99 15.8/20.8 ms; waiting while calls are under way and
+four turns between steps, 3.1/7.8 ms; the steps got 73% of the loop instead of 86%.
+Without lookups nothing changes: no wait and one turn between steps."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Callable
+
+import grpc
+
+MAX_WAIT = 0.005  # seconds a step waits for lookups under way, at most: writes are slowed, never stopped
+TURNS = 4  # turns of the loop between two steps while lookups keep coming
+RECENT = 0.05  # seconds: a lookup begun this recently means more are coming
+STALE = 1.0  # seconds: a lookup counted in this long ago no longer holds steps back (it never reached
+# its handler, so gRPC never told us it ended: a body that did not parse, say)
+
+
+class ReadsFirst:
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._under_way: dict[int, float] = {}  # token -> when the lookup began
+        self._tokens = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self.last_began = -math.inf
+        self.waits = 0  # steps that waited for lookups
+        self.waited_s = 0.0  # and how long, together
+
+    def began(self) -> int:
+        self._tokens += 1
+        self._under_way[self._tokens] = self.last_began = self.clock()
+        self._quiet.clear()
+        return self._tokens
+
+    def ended(self, token: int) -> None:
+        self._under_way.pop(token, None)
+        if not self._under_way:
+            self._quiet.set()
+
+    def under_way(self) -> int:
+        """Lookups under way, those counted in more than STALE ago dropped."""
+        if self._under_way:
+            old = self.clock() - STALE
+            for token in [t for t, began in self._under_way.items() if began < old]:
+                self.ended(token)
+        return len(self._under_way)
+
+    async def before_step(self) -> None:
+        """Waits, at most MAX_WAIT, until no lookup is under way."""
+        if not self._under_way or not self.under_way():
+            return
+        t0 = self.clock()
+        try:
+            await asyncio.wait_for(self._quiet.wait(), MAX_WAIT)
+        except TimeoutError:
+            pass
+        self.waits += 1
+        self.waited_s += self.clock() - t0
+
+    async def after_step(self) -> None:
+        """Leaves the loop to calls for one turn, or TURNS while lookups keep coming."""
+        for _ in range(TURNS if self.clock() - self.last_began < RECENT else 1):
+            await asyncio.sleep(0)
+
+
+class CountsLookups(grpc.aio.ServerInterceptor):
+    """Counts calls of `method` in with `reads` from their start to their end."""
+
+    def __init__(self, reads: ReadsFirst, method: str):
+        self.reads = reads
+        self.method = method
+
+    async def intercept_service(self, continuation, details):
+        if details.method != self.method:
+            return await continuation(details)
+        token = self.reads.began()
+        try:
+            handler = await continuation(details)
+        except BaseException:
+            self.reads.ended(token)
+            raise
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            self.reads.ended(token)
+            return handler
+        behavior = handler.unary_unary
+
+        async def counted(request, context):
+            context.add_done_callback(lambda _: self.reads.ended(token))
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(counted, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
