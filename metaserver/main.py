@@ -46,7 +46,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     metrics = None
     if cfg.metrics_listen:  # before serving: a port taken stops the server before any call reaches it
-        registry.register(StatusCollector(state.blocks, servicer.status, asyncio.get_running_loop()))
+        registry.register(StatusCollector(state.blocks, servicer.status, asyncio.get_running_loop(), state.reads))
         ProcessCollector(registry=registry)
         metrics = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics.address)

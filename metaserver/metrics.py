@@ -30,6 +30,7 @@ from kvfs.errors import KvfsError
 from kvfs.proto import meta_pb2
 
 from .blocks import BlockTable
+from .readsfirst import ReadsFirst
 
 TIMED_RPCS = ("MatchPrefix", "AllocateBlocks", "CommitBlocks")
 # A lookup of 2,000 blocks takes about 2 ms, shorter ones less; a commit that evicts
@@ -104,8 +105,9 @@ class StatusCollector(Collector):
     """What `kvfs status` reports, and the lookup counters, at scrape time."""
 
     def __init__(self, blocks: BlockTable, status: Callable[[], meta_pb2.StatusReply],
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, reads: ReadsFirst | None = None):
         self.blocks = blocks
+        self.reads = reads or ReadsFirst()
         self.status = status
         self.loop = loop
         self.snapshot = status()
@@ -131,6 +133,10 @@ class StatusCollector(Collector):
                                   "asked for", value=b.lookup_blocks_requested)
         yield CounterMetricFamily("kvfs_meta_lookup_blocks_matched", "blocks they matched (the hit ratio is "
                                   "matched / requested)", value=b.lookup_blocks_matched)
+        yield CounterMetricFamily("kvfs_meta_steps_held_for_lookups", "steps of writes and background passes "
+                                  "that waited for lookups under way (readsfirst.py)", value=self.reads.waits)
+        yield CounterMetricFamily("kvfs_meta_steps_held_for_lookups_seconds", "how long they waited, together",
+                                  value=self.reads.waited_s)
         st = self.fresh()
         for metric, field, text in GAUGES:
             yield GaugeMetricFamily(metric, text, value=getattr(st, field))

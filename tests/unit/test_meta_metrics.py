@@ -56,3 +56,21 @@ def test_metrics_listen_needs_a_host_and_a_port(listen):
 def test_metrics_listen_takes_a_host_and_a_port_or_nothing():
     for listen in ("", "127.0.0.1:0", "0.0.0.0:9100", "[::1]:9100", "meta-1:9100"):
         assert MetaserverConfig(metrics_listen=listen).metrics_listen == listen
+
+
+def test_steps_held_for_lookups_are_counted_with_the_time_they_waited(make_state, event_loop_thread):
+    import asyncio
+
+    from kvfs.metaserver.readsfirst import ReadsFirst
+
+    reads = ReadsFirst()
+    collector = StatusCollector(make_state().blocks, meta_pb2.StatusReply, event_loop_thread, reads)
+    assert sample(collector, "kvfs_meta_steps_held_for_lookups_total") == 0
+
+    async def held_step():
+        reads.began()  # a lookup under way that does not end: the step waits MAX_WAIT
+        await reads.before_step()
+
+    asyncio.run_coroutine_threadsafe(held_step(), event_loop_thread).result(10)
+    assert sample(collector, "kvfs_meta_steps_held_for_lookups_total") == 1
+    assert sample(collector, "kvfs_meta_steps_held_for_lookups_seconds_total") > 0
