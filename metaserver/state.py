@@ -24,7 +24,7 @@ from kvfs.errors import InvalidArgument, ResourceExhausted
 from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.proto import meta_pb2
 
-from .allocations import SLICE_SECONDS, Allocations, check_keys
+from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, SLICE_SECONDS, Allocations, check_keys
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
@@ -95,6 +95,7 @@ class MetaState:
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
         self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
         self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
+        self.allocations.piece_blocks = lambda: COMMIT_PIECE_BESIDE_LOOKUPS if self.reads.coming() else COMMIT_PIECE
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))
 

@@ -402,6 +402,26 @@ def test_a_large_commit_is_written_in_pieces_and_an_allocation_expiring_between_
     assert_metadata_consistent(state)
 
 
+def test_while_lookups_keep_coming_a_commit_decides_and_writes_smaller_pieces(make_state):
+    from kvfs.metaserver.allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS
+
+    state = make_state()
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    steps = state.allocations.commit_steps(NS.digest, commit_request(alloc))
+    assert until_a_piece_is_written(state, steps) == COMMIT_PIECE  # no lookups: whole pieces
+    state.reads.ended(state.reads.began())  # a lookup, just now
+    assert until_a_piece_is_written(state, steps) == COMMIT_PIECE_BESIDE_LOOKUPS < COMMIT_PIECE
+    state.reads.last_began -= 3600  # none since
+    assert until_a_piece_is_written(state, steps) == COMMIT_PIECE
+    with pytest.raises(StopIteration) as done:  # the last piece: the other 56
+        until_a_piece_is_written(state, steps)
+    assert done.value.value == (200, 0, [])
+    assert state.match(NS.digest, keys).matched == 200
+    assert not state.allocations.open
+    assert_metadata_consistent(state)
+
+
 def test_a_commit_cut_short_between_pieces_is_finished_by_its_retry_and_none_runs_twice_at_once(make_state):
     from kvfs.errors import Aborted
 
