@@ -198,12 +198,15 @@ class Repairer:
             copied += r.chunk.length
         if copied:
             # the block now lists its live copies: a dead server's copy is stale, and it is
-            # deleted when that server comes back and is reconciled
+            # deleted when that server comes back and is reconciled. A turn of its own: copies
+            # finish many at a time, each rewriting its block's row group (~0.5 ms at 1M blocks)
             gone = [s for s in r.chunk.servers if s not in r.holders]
-            if self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):], gone):
+            async with self.lifecycle.turn():
+                updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):], gone)
+                if not updated:  # the block expired meanwhile: the new copies are orphans
+                    self.lifecycle.queue_deletes([meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id,
+                                                                       servers=servers[len(r.holders):])])
+            if updated:
                 self.copied_chunks += len(servers) - len(r.holders)
                 self.copied_bytes += copied
-            else:  # the block expired meanwhile: the new copies are orphans
-                self.lifecycle.queue_deletes([meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id,
-                                                                   servers=servers[len(r.holders):])])
         return copied
