@@ -55,18 +55,18 @@ def cluster_key(cfg, name: str) -> bytes | None:
 
 
 def grpc_server(name: str, creds: tls.Credentials | None, max_receive: int | None = None,
-                first: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> grpc.aio.Server:
+                last: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> grpc.aio.Server:
     """A gRPC server whose every call is checked against kvfs.auth.RULES (none over
     plaintext: an --insecure server has no identities to check), then parsed
     (kvfs.rpc.ParsesRequests: a malformed body is INVALID_ARGUMENT). With
     `max_receive`, gRPC refuses larger requests (RESOURCE_EXHAUSTED) before
     reading them, in place of the limit CHANNEL_OPTIONS sets for chunk data.
-    `first` are interceptors that see each call before those checks."""
+    `last` are interceptors whose handlers run after those checks passed."""
     options = dict(CHANNEL_OPTIONS)
     if max_receive is not None:
         options["grpc.max_receive_message_length"] = max_receive
     checks = [Authorizer(name)] if creds else []
-    return grpc.aio.server(options=list(options.items()), interceptors=[*first, *checks, ParsesRequests()])
+    return grpc.aio.server(options=list(options.items()), interceptors=[*checks, ParsesRequests(), *last])
 
 
 def bound_address(listen: str, port: int) -> str:

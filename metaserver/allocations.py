@@ -188,29 +188,33 @@ class Allocations:
             if parent_row is not None and not same_layout(parent_row, layout_msg):
                 raise InvalidArgument(f"block layout {layout} differs from the layout of parent block "
                                       f"{parent.hex()[:16]}: a prompt's blocks share one layout")
-        # an expired block not removed yet is written again (commit replaces it)
-        present = yield from self._live_rows_steps([namespace_digest + k for k in keys])
-        new = sum(p is None for p in present)
-        incoming = new * footprint(spans)
-        room = int(self.cfg.evict_high * capacity)
-        if incoming > room:  # refused before anything is evicted for it
-            raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; the cache "
-                                    f"holds {room} bytes below its high watermark")
-        tenant = self.blocks.usage.tenant_of(namespace_digest)
-        quota = self.cfg.quota_bytes(tenant, capacity)
-        if quota is not None and incoming > quota:  # refused before anything is evicted for it, too
-            raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; tenant "
-                                    f"{tenant!r} may hold {quota} (tenant_quotas)")
-        if new and (over := self.write_pace.charge(tenant, new * layout.payload_bytes, self.clock(), refuse=True)):
-            log.info("tenant %r past its write rate: an allocation of %d blocks refused", tenant, new)
-            raise ResourceExhausted(f"tenant {tenant!r} is writing faster than {self.cfg.tenant_write_rate} bytes/s "
-                                    f"(tenant_write_rate): AllocateBlocks of {new} blocks refused; retry in "
-                                    f"{over:.2f} s")
         alloc_id = os.urandom(16)
-        self.placing[alloc_id] = (incoming, {namespace_digest + k for k in (parent, *keys) if k})
+        # its parent and keys pinned from here on: eviction between the steps below must not take a
+        # block found present (the reply tells the writer not to write it)
+        self.placing[alloc_id] = (0, {namespace_digest + k for k in (parent, *keys) if k})
         self._pin(self.placing[alloc_id][1], +1)
         placed: list[tuple[ServerState, int]] = []  # pending bytes added, undone if this never finishes
         try:
+            # an expired block not removed yet is written again (commit replaces it)
+            present = yield from self._live_rows_steps([namespace_digest + k for k in keys])
+            new = sum(p is None for p in present)
+            incoming = new * footprint(spans)
+            room = int(self.cfg.evict_high * capacity)
+            if incoming > room:  # refused before anything is evicted for it
+                raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; the "
+                                        f"cache holds {room} bytes below its high watermark")
+            tenant = self.blocks.usage.tenant_of(namespace_digest)
+            quota = self.cfg.quota_bytes(tenant, capacity)
+            if quota is not None and incoming > quota:  # refused before anything is evicted for it, too
+                raise ResourceExhausted(f"AllocateBlocks of {new} blocks needs {incoming} bytes of cache; tenant "
+                                        f"{tenant!r} may hold {quota} (tenant_quotas)")
+            if new and (over := self.write_pace.charge(tenant, new * layout.payload_bytes, self.clock(),
+                                                       refuse=True)):
+                log.info("tenant %r past its write rate: an allocation of %d blocks refused", tenant, new)
+                raise ResourceExhausted(f"tenant {tenant!r} is writing faster than {self.cfg.tenant_write_rate} "
+                                        f"bytes/s (tenant_write_rate): AllocateBlocks of {new} blocks refused; "
+                                        f"retry in {over:.2f} s")
+            self.placing[alloc_id] = (incoming, self.placing[alloc_id][1])
             yield
             # room first: placement then counts the evicted chunks' space as free
             yield from make_room(incoming, tenant)

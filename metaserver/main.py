@@ -35,7 +35,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     lifecycle = Lifecycle(state)
     repairer = Repairer(state, lifecycle)
     server = grpc_server("metaserver", creds, cfg.max_request_bytes,
-                         first=(CountsLookups(state.reads, f"/{SERVICE}/MatchPrefix"),))
+                         last=(CountsLookups(state.reads, f"/{SERVICE}/MatchPrefix"),))
     loop = LoopStats()
     state.members.watch(loop)
     registry = CollectorRegistry()

@@ -8,8 +8,7 @@ One 1.5 ms step a turn made a trivial call take 12-15 ms (p50) instead of 1. So 
 steps of writes (state.run_steps_async) and of background passes (Lifecycle.turn)
 
 - wait, up to MAX_WAIT, while a lookup is under way (counted in by CountsLookups, the
-  server's first interceptor, as the call reaches the metaserver's code, and out when
-  gRPC says it ended), and
+  server's last interceptor, as the call arrives, and out when gRPC says it ended), and
 - while lookups keep coming (one began within RECENT), leave TURNS turns of the loop
   between two steps: a lookup's first turns, before any code of ours sees it, advance
   in those; and a commit decides and writes its blocks in smaller pieces
@@ -33,54 +32,79 @@ import grpc
 MAX_WAIT = 0.005  # seconds a step waits for lookups under way, at most: writes are slowed, never stopped
 TURNS = 4  # turns of the loop between two steps while lookups keep coming
 RECENT = 0.05  # seconds: a lookup begun this recently means more are coming
-STALE = 1.0  # seconds: a lookup counted in this long ago no longer holds steps back (it never reached
-# its handler, so gRPC never told us it ended: a body that did not parse, say)
+# A call is counted in as it arrives, before its body is read; it counts as under way only
+# until ARRIVING_STALE unless it reaches its handler (with its caller's access checked and
+# its body parsed): one that never does (refused, oversized, past its deadline) is never
+# reported ended. One that reached it counts until gRPC reports its end, or STALE.
+ARRIVING_STALE = 0.02
+STALE = 1.0
 
 
 class ReadsFirst:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self._under_way: dict[int, float] = {}  # token -> when the lookup began
+        # token -> when the call arrived, or reached its handler; tokens grow with time, so
+        # each dict is in time order and the stale ones are at its front
+        self._arriving: dict[int, float] = {}
+        self._under_way: dict[int, float] = {}
         self._tokens = 0
         self._quiet = asyncio.Event()
         self._quiet.set()
-        self.last_began = -math.inf
+        self.last_began = -math.inf  # when a lookup last reached its handler
         self.waits = 0  # steps that waited for lookups
         self.waited_s = 0.0  # and how long, together
 
-    def began(self) -> int:
+    def arrived(self) -> int:
         self._tokens += 1
-        self._under_way[self._tokens] = self.last_began = self.clock()
+        self._arriving[self._tokens] = self.clock()
         self._quiet.clear()
         return self._tokens
 
+    def reached(self, token: int) -> None:
+        """The call reached its handler: a lookup under way until ended()."""
+        if self._arriving.pop(token, None) is not None:
+            self._under_way[token] = self.last_began = self.clock()
+
+    def began(self) -> int:
+        """arrived() and reached() at once (for callers that count lookups themselves)."""
+        token = self.arrived()
+        self.reached(token)
+        return token
+
     def ended(self, token: int) -> None:
-        self._under_way.pop(token, None)
-        if not self._under_way:
+        if self._under_way.pop(token, None) is None:
+            self._arriving.pop(token, None)
+        self._settle()
+
+    def _settle(self) -> None:
+        if not self._under_way and not self._arriving:
             self._quiet.set()
 
     def under_way(self) -> int:
-        """Lookups under way, those counted in more than STALE ago dropped."""
-        if self._under_way:
-            old = self.clock() - STALE
-            for token in [t for t, began in self._under_way.items() if began < old]:
-                self.ended(token)
-        return len(self._under_way)
+        """Lookups under way: arrived less than ARRIVING_STALE ago, or reached their
+        handler less than STALE ago and not ended."""
+        now = self.clock()
+        for tokens, stale in ((self._arriving, ARRIVING_STALE), (self._under_way, STALE)):
+            while tokens and next(iter(tokens.values())) < now - stale:
+                del tokens[next(iter(tokens))]
+        self._settle()
+        return len(self._arriving) + len(self._under_way)
 
     async def before_step(self) -> None:
         """Waits, at most MAX_WAIT, until no lookup is under way."""
-        if not self._under_way or not self.under_way():
+        if not self.under_way():
             return
         t0 = self.clock()
         try:
-            await asyncio.wait_for(self._quiet.wait(), MAX_WAIT)
+            async with asyncio.timeout(MAX_WAIT):
+                await self._quiet.wait()
         except TimeoutError:
             pass
         self.waits += 1
         self.waited_s += self.clock() - t0
 
     def coming(self) -> bool:
-        """Whether lookups keep coming: one began within RECENT."""
+        """Whether lookups keep coming: one reached its handler within RECENT."""
         return self.clock() - self.last_began < RECENT
 
     async def after_step(self) -> None:
@@ -90,7 +114,9 @@ class ReadsFirst:
 
 
 class CountsLookups(grpc.aio.ServerInterceptor):
-    """Counts calls of `method` in with `reads` from their start to their end."""
+    """Counts calls of `method` in with `reads` from their arrival to their end. The
+    server's last interceptor: its handler runs once the others' checks passed (the
+    caller may call it, its body parsed), so only such calls reach() it."""
 
     def __init__(self, reads: ReadsFirst, method: str):
         self.reads = reads
@@ -99,7 +125,7 @@ class CountsLookups(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method != self.method:
             return await continuation(details)
-        token = self.reads.began()
+        token = self.reads.arrived()
         try:
             handler = await continuation(details)
         except BaseException:
@@ -111,6 +137,7 @@ class CountsLookups(grpc.aio.ServerInterceptor):
         behavior = handler.unary_unary
 
         async def counted(request, context):
+            self.reads.reached(token)
             context.add_done_callback(lambda _: self.reads.ended(token))
             return await behavior(request, context)
 

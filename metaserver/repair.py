@@ -201,11 +201,18 @@ class Repairer:
             # deleted when that server comes back and is reconciled. A turn of its own: copies
             # finish many at a time, each rewriting its block's row group (~0.5 ms at 1M blocks)
             gone = [s for s in r.chunk.servers if s not in r.holders]
-            async with self.lifecycle.turn():
-                updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):], gone)
-                if not updated:  # the block expired meanwhile: the new copies are orphans
-                    self.lifecycle.queue_deletes([meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id,
-                                                                       servers=servers[len(r.holders):])])
+            new_copies = [meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id, servers=servers[len(r.holders):])]
+            updated = None
+            try:
+                async with self.lifecycle.turn():
+                    updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):],
+                                                         gone)
+                    if not updated:  # the block expired meanwhile: the new copies are orphans
+                        self.lifecycle.queue_deletes(new_copies)
+            except asyncio.CancelledError:
+                if updated is None:  # stopped waiting for the turn, before the row listed them: orphans too
+                    self.lifecycle.queue_deletes(new_copies)
+                raise
             if updated:
                 self.copied_chunks += len(servers) - len(r.holders)
                 self.copied_bytes += copied

@@ -240,6 +240,32 @@ def test_open_allocations_pin_their_parents(make_state):
     assert_consistent(state)
 
 
+def test_blocks_an_allocation_finds_present_stay_while_it_looks_up_the_rest(make_state, monkeypatch):
+    """An allocation looks its keys up a piece at a time, in steps: eviction between two
+    of them must not take a block already found present (the reply tells the writer
+    not to write it, and its children would be garbage at commit)."""
+    from kvfs.metaserver import allocations
+
+    monkeypatch.setattr(allocations, "SLICE_SECONDS", 0.0)  # a step per piece of keys
+    monkeypatch.setattr(allocations, "LIVE_ROWS_PIECE", 2)
+    clock = Clock()
+    state = make_state(clock, "lru")
+    keys = conversation(0)
+    write(state, keys[:4])  # the oldest blocks: eviction's first victims
+    clock.now += 1
+    steps = state.allocations.allocate_steps(NS.digest, keys, LAYOUT_MSG, b"", state.make_room_steps)
+    next(steps)  # keys[:2] found present, the rest still to look up
+    for i in range(1, 12):  # other writers fill the cache meanwhile
+        clock.now += 1
+        write(state, block_keys(NS, [i] * 16, 4))
+    assert state.evicted_blocks > 0 and all(cached(state, keys[:4]))
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+    assert [b.already_present for b in done.value.value.blocks] == [True] * 4 + [False] * 4
+    assert_consistent(state)
+
+
 def test_config_choices_are_the_policies():
     field = {f.name: f for f in dataclasses.fields(MetaserverConfig)}["eviction_policy"]
     assert set(field.metadata["choices"]) == set(POLICIES)

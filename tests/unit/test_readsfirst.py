@@ -3,6 +3,7 @@ for lookups under way, boundedly, and leave more turns of the loop while lookups
 coming; CountsLookups counts a real grpc.aio server's calls in and out."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -64,11 +65,13 @@ async def test_a_step_waits_until_the_lookup_under_way_ends():
     assert reads.waits == 1 and reads.under_way() == 0
 
 
-async def test_a_lookup_that_never_ends_holds_each_step_at_most_max_wait_and_is_dropped_when_stale():
+async def test_a_lookup_that_never_ends_holds_each_step_for_max_wait_and_is_dropped_when_stale():
     clock = Clock(100.0)
     reads = ReadsFirst(clock)
-    reads.began()  # never ended: its handler was never reached
-    await asyncio.wait_for(reads.before_step(), readsfirst.MAX_WAIT * 200)  # bounded by MAX_WAIT
+    reads.began()  # never ended: gRPC never reported its end
+    t0 = time.perf_counter()
+    await reads.before_step()
+    assert readsfirst.MAX_WAIT * 0.9 < time.perf_counter() - t0 < 0.5  # MAX_WAIT, not more
     assert reads.waits == 1 and reads.under_way() == 1
     clock.now += readsfirst.STALE + 0.1
     assert reads.under_way() == 0
@@ -93,14 +96,31 @@ async def test_while_lookups_keep_coming_steps_leave_more_turns():
     assert recent >= readsfirst.TURNS and later <= 2, (recent, later)
 
 
+class Refuses(grpc.aio.ServerInterceptor):
+    """Refuses calls whose metadata say so before their handler runs, as kvfs.auth's
+    Authorizer refuses a caller without the role."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if ("refuse", "1") not in (details.invocation_metadata or ()):
+            return handler
+
+        async def refused(request, context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "refused")
+
+        return grpc.unary_unary_rpc_method_handler(refused, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
 async def test_counts_lookups_counts_a_real_servers_calls_of_its_method_in_and_out():
-    reads = ReadsFirst()
+    clock = Clock(100.0)  # still: nothing goes stale by itself
+    reads = ReadsFirst(clock)
     seen = {}
 
     async def lookup(request, context):
-        seen[request] = reads.under_way()
-        if request == b"refuse":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        seen[request] = (len(reads._under_way), len(reads._arriving))
+        if request == b"abort":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "aborted")
         return b"ok"
 
     async def other(request, context):
@@ -109,22 +129,36 @@ async def test_counts_lookups_counts_a_real_servers_calls_of_its_method_in_and_o
 
     handlers = {"Lookup": grpc.unary_unary_rpc_method_handler(lookup),
                 "Other": grpc.unary_unary_rpc_method_handler(other)}
-    server = grpc.aio.server(interceptors=[CountsLookups(reads, "/t.S/Lookup")])
+    server = grpc.aio.server(interceptors=[Refuses(), CountsLookups(reads, "/t.S/Lookup")],
+                             options=[("grpc.max_receive_message_length", 1024)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    loop = asyncio.get_running_loop()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            assert await ch.unary_unary("/t.S/Lookup")(b"a", timeout=10) == b"ok"
+            lookup_call = ch.unary_unary("/t.S/Lookup")
+            assert await lookup_call(b"a", timeout=10) == b"ok"
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await ch.unary_unary("/t.S/Lookup")(b"refuse", timeout=10)
+                await lookup_call(b"abort", timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert await ch.unary_unary("/t.S/Other")(b"x", timeout=10) == b"ok"
-            loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
-            while reads.under_way() and loop.time() < deadline:  # gRPC reports the ends after the replies
+            while reads._under_way and loop.time() < deadline:  # gRPC reports the ends after the replies
                 await asyncio.sleep(0.01)
+            assert not reads._under_way and not reads._arriving  # both lookups counted out, the aborted one too
+            reached = reads.last_began
+            # calls that never reach the handler: refused first, or too large to be read
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await lookup_call(b"b", timeout=10, metadata=(("refuse", "1"),))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await lookup_call(b"x" * 4096, timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         await server.stop(None)
-    assert seen == {b"a": 1, b"refuse": 1, "other": 0}
-    assert reads.under_way() == 0  # both lookups, the refused one too, counted out
+    assert seen == {b"a": (1, 0), b"abort": (1, 0), "other": 0}
+    # never reported ended, they count as arriving until ARRIVING_STALE, not STALE, and never as begun
+    assert not reads._under_way and reads.under_way() == 2 and reads.last_began == reached
+    clock.now += readsfirst.ARRIVING_STALE * 1.5
+    assert reads.under_way() == 0
