@@ -173,6 +173,10 @@ class Allocations:
         keys = check_keys(keys, "AllocateBlocks", self.cfg.max_keys)
         if parent and len(parent) != KEY_BYTES:
             raise InvalidArgument(f"parent must be a {KEY_BYTES}-byte block key; got {len(parent)} bytes")
+        distinct = set(keys)
+        if len(distinct) != len(keys) or parent in distinct:  # a block would be its own ancestor
+            raise InvalidArgument("a block key appears twice in one AllocateBlocks, or as its parent too: a "
+                                  "prompt's chained keys never repeat")
         layout = layout_of(layout_msg)
         if layout.layers > self.cfg.max_layers or layout.payload_bytes > self.cfg.max_block_bytes:
             raise InvalidArgument(f"block layout of {layout.layers} layers and {layout.payload_bytes} bytes; at most "

@@ -284,6 +284,20 @@ def test_a_parent_that_is_not_a_key_is_refused(make_state):
         state.allocate(NS.digest, conversation(0)[1:], LAYOUT_MSG, b"short")
 
 
+def test_an_allocation_naming_a_key_twice_or_its_parent_among_its_keys_is_refused(make_state):
+    """A block would be its own ancestor: nothing of it could be committed, and the
+    chunks placed for its first copy would wait for orphan GC."""
+    from kvfs.errors import InvalidArgument
+
+    state = make_state(Clock())
+    keys = conversation(0)[:3]
+    for bad, parent in (([keys[0], keys[1], keys[0]], b""), (keys[1:], keys[2])):
+        with pytest.raises(InvalidArgument, match="appears twice in one AllocateBlocks, or as its parent"):
+            state.allocate(NS.digest, bad, LAYOUT_MSG, parent)
+    assert not state.allocations.open and not state.allocations.placing
+    assert write(state, keys)[0] == 3  # the same keys, well formed, go in
+
+
 def test_a_block_committed_again_while_its_children_wait_to_be_dropped_is_no_leaf(make_state):
     clock = Clock()
     state = make_state(clock)
