@@ -56,18 +56,22 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst):
     gate at the end of a step is not enough for that: a writer that finds it free
     and nobody waiting takes it in the same turn. So it is released in the next
     turn, before which every other writer that came for it queues behind.) Each
-    step makes way for lookups first (readsfirst.py)."""
+    step makes way for lookups first (readsfirst.py), and while they keep coming the
+    gate is held through the turns after it: spaced steps of one writer would leave
+    those turns to the next writer's."""
     loop = asyncio.get_running_loop()
     while True:
         await gate.acquire()
         try:
             await reads.before_step()
             next(steps)
+            if reads.coming():  # the turns after a step are the lookups', not another writer's
+                await reads.after_step()
         except StopIteration as done:
             return done.value
         finally:
             loop.call_soon(gate.release)
-        await reads.after_step()
+        await asyncio.sleep(0)
 
 
 # Chunk copies waiting for deletion (about 100 B of memory each); background removals pause past it

@@ -162,3 +162,33 @@ async def test_counts_lookups_counts_a_real_servers_calls_of_its_method_in_and_o
     assert not reads._under_way and reads.under_way() == 2 and reads.last_began == reached
     clock.now += readsfirst.ARRIVING_STALE * 1.5
     assert reads.under_way() == 0
+
+
+async def test_while_lookups_keep_coming_eight_writers_steps_leave_the_turns_between_them_to_lookups():
+    """Spacing each writer's own steps is not enough: the gate would pass the turns
+    after one writer's step to the next writer's."""
+    from kvfs.metaserver.state import run_steps_async
+
+    clock = Clock(100.0)
+    reads, turns = ReadsFirst(clock), Turns()
+    seen = []
+
+    def steps():
+        for _ in range(4):
+            seen.append(turns.n)
+            yield
+
+    try:
+        reads.ended(reads.began())  # a lookup just now (the still clock keeps it recent)
+        gate = asyncio.Lock()
+        await asyncio.gather(*(run_steps_async(steps(), gate, reads) for _ in range(8)))
+        coming = sorted(seen)
+        seen.clear()
+        clock.now += readsfirst.RECENT * 2  # none since
+        await asyncio.gather(*(run_steps_async(steps(), gate, reads) for _ in range(8)))
+        quiet = sorted(seen)
+    finally:
+        turns.stop()
+    assert len(coming) == len(quiet) == 32
+    assert min(b - a for a, b in zip(coming, coming[1:])) >= readsfirst.TURNS
+    assert max(b - a for a, b in zip(quiet, quiet[1:])) <= 2  # without lookups, a step every turn or so
