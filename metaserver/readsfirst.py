@@ -77,9 +77,9 @@ class ReadsFirst:
     def ended(self, token: int) -> None:
         if self._under_way.pop(token, None) is None:
             self._arriving.pop(token, None)
-        self._settle()
+        self._quiet_when_none()
 
-    def _settle(self) -> None:
+    def _quiet_when_none(self) -> None:
         if not self._under_way and not self._arriving:
             self._quiet.set()
 
@@ -90,7 +90,7 @@ class ReadsFirst:
         for tokens, stale in ((self._arriving, ARRIVING_STALE), (self._under_way, STALE)):
             while tokens and next(iter(tokens.values())) < now - stale:
                 del tokens[next(iter(tokens))]
-        self._settle()
+        self._quiet_when_none()
         return len(self._arriving) + len(self._under_way)
 
     async def before_step(self) -> None:

@@ -201,12 +201,12 @@ class Repairer:
             # deleted when that server comes back and is reconciled. A turn of its own: copies
             # finish many at a time, each rewriting its block's row group (~0.5 ms at 1M blocks)
             gone = [s for s in r.chunk.servers if s not in r.holders]
-            new_copies = [meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id, servers=servers[len(r.holders):])]
+            added = servers[len(r.holders):]
+            new_copies = [meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id, servers=added)]
             updated = None
             try:
                 async with self.lifecycle.turn():
-                    updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, servers[len(r.holders):],
-                                                         gone)
+                    updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, added, gone)
                     if not updated:  # the block expired meanwhile: the new copies are orphans
                         self.lifecycle.queue_deletes(new_copies)
             except asyncio.CancelledError:
@@ -214,6 +214,6 @@ class Repairer:
                     self.lifecycle.queue_deletes(new_copies)
                 raise
             if updated:
-                self.copied_chunks += len(servers) - len(r.holders)
+                self.copied_chunks += len(added)
                 self.copied_bytes += copied
         return copied

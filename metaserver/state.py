@@ -159,8 +159,8 @@ class MetaState:
     async def allocate_async(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
                              parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
-        return await run_steps_async(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
-                                                                     self.make_room_steps), self._write_turns, self.reads)
+        steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps)
+        return await run_steps_async(steps, self._write_turns, self.reads)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """Commits blocks (Allocations.commit_steps); the chunks that became garbage
