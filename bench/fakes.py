@@ -33,7 +33,7 @@ from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2, meta_pb2_grpc
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-class _Child:
+class Child:
     """A spawned process driven over a pipe: commands in, one answer per command."""
 
     def __init__(self, target, *args):
@@ -65,7 +65,7 @@ class _Child:
         self.proc.join(5)
 
 
-class FakeChunkservers(_Child):
+class FakeChunkservers(Child):
     def __init__(self, meta_address: str, n: int, capacity_bytes: int):
         super().__init__(_fakes_main, meta_address, n, capacity_bytes)
         self.n = n
@@ -186,7 +186,7 @@ class _FakeChunkService(chunk_pb2_grpc.ChunkServiceServicer):
                                   io_mode="fake")
 
 
-class StallProbe(_Child):
+class StallProbe(Child):
     """Health Checks to `address` every `every` seconds until stopped; samples are
     (monotonic start, seconds, ok), comparable with the parent's time.monotonic()."""
 

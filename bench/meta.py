@@ -14,7 +14,8 @@ store nothing, so what is measured is the metaserver alone. In order:
               of hits (prefixes of filled chains) and of misses after block 1,
               every answer checked;
   lifecycle - the same while RunLifecycle runs back to back;
-  eviction  - the same while writers add chains until the metaserver evicts;
+  eviction  - the same while writers (in a process of their own) add chains
+              until the metaserver evicts;
   repair    - the same once one fake server stopped heartbeating, was found
               dead and its chunks are being re-replicated;
   restart   - SIGTERM, start on the same data: time until it serves and until a
@@ -50,7 +51,7 @@ from kvfs.metaserver.blocks import footprint
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
 
-from .fakes import FakeChunkservers, StallProbe, server_id
+from .fakes import FAST_RECONNECT, Child, FakeChunkservers, StallProbe, server_id
 
 NS = meta_pb2.Namespace(tenant="bench", model="meta")
 LAYOUT = BlockLayout.mla()  # 27 layers x 64 tokens x 576 x bf16: 1,990,656 bytes, 2 chunks of 1 MiB
@@ -215,6 +216,63 @@ class Fill:
                         "blocks_per_s": (n - prev_n) / max(t - prev_t, 1e-9)})
             prev_n, prev_t = n, t
         return out
+
+
+class WriterProcess(Child):
+    """Fill's writers in a spawned process of their own, on their own channel: the
+    eviction phase's writes, kept off the event loop and the connection the
+    lookups are timed on. In one process, a lookup's reply waited behind the
+    writers' client work (building and parsing 500-block messages) and behind
+    their megabytes on the same HTTP/2 connection: time the metaserver did not
+    spend, counted as its latency. A real worker's lookups do not queue behind
+    another worker's write-backs."""
+
+    def __init__(self, address: str, lengths: list[int], clients: int, deadline: float):
+        super().__init__(_writers_main, address, lengths, clients, deadline)
+
+    def start(self, timeout: float = 30) -> WriterProcess:
+        super().start(timeout)
+        return self
+
+    def counts(self) -> dict:
+        """committed, failed_batches, errors, and done (every chain written, or stopped)."""
+        return self.ask("counts")
+
+    def stop(self, timeout: float = 120) -> dict:
+        """Stops the writers after their current batch; their final counts."""
+        try:
+            return self.ask("stop", timeout=timeout)
+        finally:
+            self.kill()
+
+
+def _writers_main(conn, address: str, lengths: list[int], clients: int, deadline: float) -> None:
+    try:
+        asyncio.run(_write(conn, address, lengths, clients, deadline))
+    except Exception as err:  # the parent sees why, instead of a timeout
+        conn.send(RuntimeError(f"bench writers failed: {err!r}"))
+
+
+async def _write(conn, address: str, lengths: list[int], clients: int, deadline: float) -> None:
+    stopping = False
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + FAST_RECONNECT) as channel:
+        fill = Fill(meta_pb2_grpc.MetaServiceStub(channel), deadline, stop=lambda: stopping)
+        writes = asyncio.create_task(fill.run(lengths, clients, {}))
+        conn.send("started")
+        parent = os.getppid()
+        while os.getppid() == parent:
+            if not conn.poll():
+                await asyncio.sleep(0.05)
+                continue
+            command = conn.recv()[0]
+            if command == "stop":
+                stopping = True
+                await writes
+            conn.send({"committed": fill.committed, "failed_batches": fill.failed_batches,
+                       "errors": dict(fill.errors), "done": writes.done()})
+            if command == "stop":
+                return
+        writes.cancel()
 
 
 @dataclass(slots=True)
@@ -490,29 +548,35 @@ class _Run:
             p["lifecycle_runs"] = {**_summary(runs), "errors": dict(errors)}
 
     async def _eviction_phase(self, sampler: Sampler) -> None:
-        """Writers add chains until the metaserver has evicted (the fakes get its deletes)
-        and the lookups have their samples; at most a fifth of the fill more."""
+        """Writers in a process of their own (WriterProcess) add chains until the
+        metaserver has evicted (the fakes get its deletes) and the lookups have their
+        samples; at most a fifth of the fill more."""
         cfg = self.cfg
         deleted0 = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0)
-        evicted = asyncio.Event()
-        more = Fill(self.stub, cfg.deadline,
-                    stop=lambda: not self.meta.alive() or (evicted.is_set() and sampler.rounds >= cfg.samples))
         lengths = [cfg.chain] * max(1, cfg.blocks // 5 // cfg.chain)
+        writers = await asyncio.to_thread(WriterProcess(self.meta.address, lengths, cfg.clients, cfg.deadline).start)
+        written: dict = {}
+        evicted = False
 
         async def watch():
-            while not evicted.is_set():
+            nonlocal evicted
+            while True:
                 await asyncio.sleep(0.2)
-                if (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0:
-                    evicted.set()
+                evicted = evicted or (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0
+                if not self.meta.alive() or (evicted and sampler.rounds >= cfg.samples) \
+                        or (await asyncio.to_thread(writers.counts))["done"]:
+                    written.update(await asyncio.to_thread(writers.stop))
+                    return
 
-        async with self._phase("eviction") as p:
-            writes = asyncio.create_task(more.run(lengths, cfg.clients, {}))
-            watcher = asyncio.create_task(watch())
-            p["lookups"] = await sampler.run(keep_going=lambda: not writes.done())
-            await writes
-            watcher.cancel()
-            p["writes"] = {"blocks": more.committed, "failed_batches": more.failed_batches,
-                           "errors": dict(more.errors), "deletes_seen": evicted.is_set()}
+        try:
+            async with self._phase("eviction") as p:
+                watcher = asyncio.create_task(watch())
+                p["lookups"] = await sampler.run(keep_going=lambda: not watcher.done())
+                await watcher
+                p["writes"] = {"blocks": written["committed"], "failed_batches": written["failed_batches"],
+                               "errors": written["errors"], "deletes_seen": evicted, "writer": "own process"}
+        finally:
+            writers.kill()
 
     async def _repair_phase(self, sampler: Sampler) -> None:
         """One fake server goes silent; measured from when the metaserver marks it dead."""
