@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 
 import grpc
@@ -16,6 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvfs import tls
 from kvfs.auth import Authorizer
 from kvfs.config import add_flags, load
+from kvfs.logs import setup_logging
 from kvfs.rpc import CHANNEL_OPTIONS, ParsesRequests
 
 log = logging.getLogger("kvfs.serving")
@@ -205,7 +205,6 @@ def run_server(prog: str, description: str, cfg_cls: type, section: str, serve, 
         cfg = load(cfg_cls, section, vars(args))
     except (ValueError, OSError) as err:
         parser.error(str(err))
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     asyncio.run(serve(cfg))
     return 0
