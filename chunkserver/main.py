@@ -6,12 +6,11 @@ import asyncio
 import logging
 import sys
 
-from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
-from kvfs.proto import chunk_pb2_grpc
-from kvfs.serving import (MetricsServer, bound_address, cluster_key, credentials, grpc_server, run_server,
+from kvfs.proto import chunk_pb2, chunk_pb2_grpc
+from kvfs.serving import (MetricsServer, add_introspection, bound_address, cluster_key, credentials, grpc_server, run_server,
                           until_signalled, watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
@@ -47,8 +46,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
         data.listen_local(data_address)  # same-host clients: shared memory, passed by descriptor
     servicer = ChunkServicer(store, metrics, data_address, creds, key)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = add_introspection(server, chunk_pb2.DESCRIPTOR.services_by_name["ChunkService"].full_name)
     readiness = Readiness(health_servicer, registered=not cfg.meta)
     store.on_full = readiness.set_full
     # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
