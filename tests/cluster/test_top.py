@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 
+from kvfs import tls
 from kvfs.cli.launcher import meta_status
 from kvfs.cli.main import _human
 from kvfs.cli.main import main as kvfs
@@ -13,7 +14,6 @@ from kvfs.client import ChunkClient, Client
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
-from kvfs import tls
 
 from helpers import credentials, layer_major, restore_all, tokens_for, wait_until
 
