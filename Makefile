@@ -26,7 +26,8 @@ $(VLLM_STAMP): $(STAMP)
 	touch $(VLLM_STAMP)
 
 demo: setup
-	$(BIN)/kvfs demo
+	# docs/operations.md shows the `kvfs top` frame it saves
+	$(BIN)/kvfs demo --top-svg docs/kvfs-top.svg
 
 test: setup $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests

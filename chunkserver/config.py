@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvfs.config import GiB, KiB, MiB, check_choices, check_listen, duration_field, option, size_field
+from kvfs.logs import log_format_option
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class ChunkserverConfig:
                             "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")
     log_level: str = option("INFO", "logging level")
+    log_format: str = log_format_option()
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -6,16 +6,16 @@ import asyncio
 import logging
 import sys
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
-from kvfs.proto import chunk_pb2_grpc
-from kvfs.serving import (MetricsServer, bound_address, cluster_key, credentials, grpc_server, run_server,
+from kvfs.proto import chunk_pb2, chunk_pb2_grpc
+from kvfs.serving import (MetricsServer, add_introspection, bound_address, cluster_key, credentials, grpc_server, run_server,
                           until_signalled, watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
 from .dataport import start_data_server
+from .health import Readiness
 from .membership import heartbeat_forever
 from .metrics import ChunkMetrics, StoreCollector
 from .scrub import Scrubber
@@ -46,8 +46,9 @@ async def serve(cfg: ChunkserverConfig) -> None:
         data.listen_local(data_address)  # same-host clients: shared memory, passed by descriptor
     servicer = ChunkServicer(store, metrics, data_address, creds, key)
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = add_introspection(server, chunk_pb2.DESCRIPTOR.services_by_name["ChunkService"].full_name)
+    readiness = Readiness(health_servicer, registered=not cfg.meta)
+    store.on_full = readiness.set_full
     # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
     scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
     metrics_server = None
@@ -56,19 +57,20 @@ async def serve(cfg: ChunkserverConfig) -> None:
         ProcessCollector(registry=registry)
         metrics_server = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics_server.address)
+    await readiness.publish()
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("kvfs.chunk.ChunkService", health_pb2.HealthCheckResponse.SERVING)
     log.info("chunkserver %s (%s) serving on %s (data port %s): data %s, capacity %d bytes, %s reads, %s mode",
              cfg.id, cfg.failure_domain, address, data_address or "off", cfg.data_dir, cfg.capacity,
              store.reader.name, store.io_mode)
     write_ready_file(cfg.ready_file, address, metrics_server.address if metrics_server else "")
-    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds))
-             if cfg.meta else None)
+    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds,
+                                                   readiness.set_registered)) if cfg.meta else None)
+    publishing = asyncio.create_task(readiness.publish_forever())
     scrubbing = asyncio.create_task(scrubber.run_forever())
     watching = asyncio.create_task(watch_event_loop(log))
     await until_signalled()
     watching.cancel()
+    publishing.cancel()  # before the shutdown's NOT_SERVING, which nothing may undo
     log.info("chunkserver %s stopping", cfg.id)
     if beats:
         beats.cancel()

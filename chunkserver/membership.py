@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -20,9 +21,11 @@ MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the n
 
 
 async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str,
-                            creds: tls.Credentials | None) -> None:
+                            creds: tls.Credentials | None,
+                            on_registered: Callable[[bool], None] = lambda registered: None) -> None:
     """Registers (retrying until the metaserver answers) and heartbeats for ever,
-    as the server its certificate names."""
+    as the server its certificate names; `on_registered` hears when it registered
+    and when the metaserver asks it to register again."""
     async with tls.aio_channel(cfg.meta, creds) as channel:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
         interval, registered, failures = 1.0, False, 0
@@ -33,6 +36,7 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                         server_id=cfg.id, address=address, failure_domain=cfg.failure_domain,
                         capacity_bytes=cfg.capacity, data_address=data_address), timeout=10)
                     interval, registered = reply.heartbeat_interval_s or interval, True
+                    on_registered(True)
                     log.info("registered with metaserver %s as %s (%s)", cfg.meta, cfg.id, address)
                 stat = store.stat()
                 lost = store.lost_chunks(MAX_LOST_PER_BEAT)
@@ -42,6 +46,7 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                     lost_chunks=[meta_pb2.LostChunk(chunk_id=c, owner=o) for c, o in lost]), timeout=10)
                 if reply.register_again:
                     registered = False
+                    on_registered(False)
                     continue
                 if lost:  # kept until now: a heartbeat that failed is sent again with them
                     await store.forget_lost([c for c, _ in lost])

@@ -251,6 +251,12 @@ class ChunkStore:
         # on_suspect (set by the scrubber) wakes it, from whichever thread found one
         self._suspects: dict[bytes, ChunkRecord] = {}
         self.on_suspect: Callable[[], None] | None = None
+        # full: the last write that needed a slot found no room (capacity or filesystem),
+        # until a write is stored or a delete frees a slot; on_full hears each change
+        # (the health service, chunkserver/health.py). Known only from writes: a store
+        # filled before a restart looks full at its first refused write.
+        self.full = False
+        self.on_full: Callable[[bool], None] = lambda full: None
 
     def _recover(self) -> None:
         started = time.monotonic()
@@ -314,13 +320,16 @@ class ChunkStore:
             rec = ChunkRecord(ref, len(data), actual, tuple(blocks), time.time(), bytes(owner))
             await asyncio.wrap_future(self._committer.submit(
                 puts=[(_KEY_PREFIX + chunk_id, rec.pack())], fds=[self.slots.fds(ref).fd]))
-        except BaseException:
+        except BaseException as err:
             if ref is not None:
                 self.slots.free(ref)
+            elif isinstance(err, ResourceExhausted):  # no slot for it: capacity or filesystem full
+                self._set_full(True)
             raise
         finally:
             del self._writing[chunk_id]
             done.set_result(None)
+        self._set_full(False)
         self.chunk_count += 1
         self.used_bytes += len(data)
         self.counters.writes += 1
@@ -351,6 +360,11 @@ class ChunkStore:
             if staging is not None:
                 self._pool.put(staging)
         return ref
+
+    def _set_full(self, full: bool) -> None:
+        if full != self.full:
+            self.full = full
+            self.on_full(full)
 
     # -- reads -------------------------------------------------------------
 
@@ -542,6 +556,7 @@ class ChunkStore:
                     self.slots.free(rec.slot)
                 self.chunk_count -= 1
                 self.used_bytes -= rec.length
+                self._set_full(False)  # a slot being read is free a moment later
 
     # -- corrupt chunks ----------------------------------------------------
 

@@ -101,30 +101,42 @@ def _secure(name: str, args: list[str], listen: str, ca: LocalCA | None,
                      for x in (flag, str(path))), "--cluster-key", str(ca.key_path)], admin_credentials(ca)
 
 
+def health(address: str, credentials: Credentials | None = None, timeout: float = 5) -> str:
+    """What the gRPC health service at `address` answers for the whole server:
+    SERVING or NOT_SERVING (a chunkserver before it registered, or while full)."""
+    with tls.channel(address, credentials) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def wait_healthy(address: str, timeout: float = 30, credentials: Credentials | None = None) -> None:
-    """Waits until the gRPC health service at `address` answers SERVING."""
+    """Waits until the gRPC health service at `address` answers SERVING (a
+    chunkserver: once it has registered with its metaserver)."""
     deadline = time.monotonic() + timeout
     with tls.channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
+        status = "no answer"
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LaunchError(f"{address} not healthy after {timeout}s")
+                raise LaunchError(f"{address} not healthy after {timeout}s (health: {status})")
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=min(left, 2), wait_for_ready=True)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
-                pass
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as err:
+                status = err.code().name
             time.sleep(0.05)
 
 
 def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
                  timeout: float = 30, env: dict[str, str] | None = None, netns: str | None = None,
-                 credentials: Credentials | None = None) -> ServerProcess:
+                 credentials: Credentials | None = None, healthy: bool = True) -> ServerProcess:
     """Runs `python -m module args --ready-file ...` (inside network namespace
     `netns` when given: `ip netns exec`, as root) and waits for it to serve,
-    checking its health with `credentials` (None: plaintext)."""
+    checking its health with `credentials` (None: plaintext); with `healthy` off,
+    only until it listens (its health may still say NOT_SERVING)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ready = run_dir / f"{name}.addr"
     ready.unlink(missing_ok=True)
@@ -148,10 +160,11 @@ def start_server(name: str, module: str, args: list[str], run_dir: pathlib.Path,
     server.address = address.strip()
     server.metrics_address = dict(line.split(" ", 1) for line in others).get("metrics", "")
     try:
-        wait_healthy(server.address, max(1.0, deadline - time.monotonic()), credentials)
-    except LaunchError:
+        if healthy:
+            wait_healthy(server.address, max(1.0, deadline - time.monotonic()), credentials)
+    except LaunchError as err:
         server.kill()
-        raise
+        raise LaunchError(f"{name}: {err}:\n{server.log_tail()}") from None
     return server
 
 
@@ -160,8 +173,10 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
                       listen: str = "127.0.0.1:0", extra: list[str] | None = None,
                       run_dir: str | os.PathLike | None = None, timeout: float = 30,
                       env: dict[str, str] | None = None, netns: str | None = None,
-                      ca: LocalCA | None = None) -> ServerProcess:
-    """Starts `kvfs-chunkserver` in its own process; returns once it serves.
+                      ca: LocalCA | None = None, healthy: bool = True) -> ServerProcess:
+    """Starts `kvfs-chunkserver` in its own process; returns once it serves (its
+    health SERVING: registered, when it has a metaserver; with `healthy` off, once
+    it listens).
 
     Options left None come from the server's own config (environment, TOML, defaults).
     Unless `extra` holds --insecure, it gets a certificate for `server_id` from `ca`
@@ -174,7 +189,7 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
         if value is not None:
             args += [flag, value]
     args, creds = _secure(server_id, args + (extra or []), listen, ca, run_dir)
-    return start_server(server_id, "kvfs.chunkserver", args, run_dir, timeout, env, netns, creds)
+    return start_server(server_id, "kvfs.chunkserver", args, run_dir, timeout, env, netns, creds, healthy)
 
 
 def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0", replicas: int | None = None,

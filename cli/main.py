@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import pathlib
@@ -211,6 +212,7 @@ def _cluster_down(args) -> int:
 
 def _demo(args) -> int:
     from kvfs.cli.demo import make_prompts, run_workload, summary
+    from kvfs.cli.top import frame, take_sample
 
     root = pathlib.Path(args.data_dir or tempfile.mkdtemp(prefix="kvfs-demo-"))
     console.print(f"[bold]kvfs demo[/]: starting a local cluster in {root}")
@@ -222,10 +224,16 @@ def _demo(args) -> int:
         prompts = make_prompts(args.prompts, args.seed, 64)
         console.print(f"serving {len(prompts)} prompts from 10 prefix families, {args.concurrency} at a time, "
                       f"MLA blocks of 64 tokens x 27 layers x 576 values x bf16")
+        before = take_sample(cluster.meta_address, cluster.admin) if args.top_svg else None
         t0 = time.perf_counter()
         stats = asyncio.run(run_workload(cluster.meta_address, prompts, args.concurrency,
                                          credentials=cluster.worker))
         wall = time.perf_counter() - t0
+        if before is not None:  # `kvfs top` as it looked over the workload, its rates over the whole of it
+            shot = Console(record=True, width=120, file=io.StringIO())  # recorded, not shown twice
+            shot.print(frame(before, take_sample(cluster.meta_address, cluster.admin)))
+            shot.save_svg(args.top_svg, title="kvfs top (during kvfs demo)")
+            console.print(f"kvfs top, as it looked over the workload: {args.top_svg}")
         for line in summary(stats, wall):
             console.print(line)
         same = True
@@ -257,6 +265,10 @@ def _admin(args) -> int:
                                      indent=2))
                 else:
                     console.print(_status_table(status))
+            elif args.cmd == "top":
+                from kvfs.cli.top import run
+
+                return run(console, address, _admin_credentials(args), args.interval, args.once)
             elif args.cmd == "usage":
                 usage = stub.Usage(meta_pb2.UsageRequest(tenants=args.tenant), timeout=10)
                 restored = _restored(stub.Status(meta_pb2.StatusRequest(), timeout=10), _admin_credentials(args),
@@ -366,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--data-dir", default=DEFAULT_CLUSTER_DIR)
 
     for name, text in (("status", "servers, liveness, capacity, blocks, bytes"),
+                       ("top", "a live view: hit ratio, lookups/s, restore bytes/s, servers' use, losses"),
                        ("usage", "per-tenant usage: lookups, tokens served from cache and written, storage over "
                                  "time (what to bill from)"),
                        ("rebuild", "rebuild block metadata from chunkserver inventories"),
@@ -380,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "64-bit counts are strings)")
         if name == "usage":
             p.add_argument("--tenant", action="append", default=[], help="only this tenant (repeatable)")
+        if name == "top":
+            p.add_argument("--interval", type=float, default=2.0, help="seconds between two samples")
+            p.add_argument("--once", action="store_true", help="print one frame (rates over one interval) and exit")
 
     demo = sub.add_parser("demo", help="a local cluster and a workload of prompts sharing prefixes")
     demo.add_argument("--prompts", type=int, default=200)
@@ -391,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="then serve a prompt this long through the MLA engine twice (0: skip)")
     demo.add_argument("--data-dir", help="keep cluster data here (default: a new temporary folder)")
     demo.add_argument("--insecure", action="store_true", help="run the cluster without TLS (a trusted lab only)")
+    demo.add_argument("--top-svg", help="save a `kvfs top` frame of the workload here, as SVG")
 
     chunk = sub.add_parser("chunk", help="inspect one chunkserver")
     chunk_sub = chunk.add_subparsers(dest="chunk_cmd", required=True)

@@ -23,6 +23,7 @@ log = logging.getLogger("kvfs.auth")
 _META = "/kvfs.meta.MetaService/"
 _CHUNK = "/kvfs.chunk.ChunkService/"
 _HEALTH = "/grpc.health.v1.Health/"
+_REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/"
 
 RULES: dict[str, frozenset[str]] = {
     # membership: chunkservers only, each as the id its certificate names
@@ -54,6 +55,11 @@ RULES: dict[str, frozenset[str]] = {
     _HEALTH + "Check": frozenset({SERVER, WORKER, ADMIN}),
     _HEALTH + "Watch": frozenset({SERVER, WORKER, ADMIN}),
     _HEALTH + "List": frozenset({SERVER, WORKER, ADMIN}),
+    # server reflection: every authenticated caller, as for health. It describes only the
+    # services and messages published in proto/ (and health's, reflection's own): no
+    # tenant, block, chunk or server of this cluster; what a caller may then call is
+    # still each method's own rule. Callers without a certificate of the CA get nothing.
+    _REFLECTION + "ServerReflectionInfo": frozenset({SERVER, WORKER, ADMIN}),
 }
 
 # The chunkserver's data port (kvfs/wire.py): over TCP, mutual TLS with the cluster's

@@ -7,15 +7,17 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvfs import tls
 from kvfs.auth import Authorizer
 from kvfs.config import add_flags, load
+from kvfs.logs import setup_logging
 from kvfs.rpc import CHANNEL_OPTIONS, ParsesRequests
 
 log = logging.getLogger("kvfs.serving")
@@ -67,6 +69,17 @@ def grpc_server(name: str, creds: tls.Credentials | None, max_receive: int | Non
         options["grpc.max_receive_message_length"] = max_receive
     checks = [Authorizer(name)] if creds else []
     return grpc.aio.server(options=list(options.items()), interceptors=[*checks, ParsesRequests(), *last])
+
+
+def add_introspection(server: grpc.aio.Server, *services: str) -> health.aio.HealthServicer:
+    """Adds the gRPC health service (returned: the caller says when it serves) and
+    server reflection, which lists `services`, health and reflection itself and
+    describes their messages, so grpcurl and grpcui work without the .proto files
+    (access: kvfs.auth.RULES)."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return servicer
 
 
 def bound_address(listen: str, port: int) -> str:
@@ -205,7 +218,6 @@ def run_server(prog: str, description: str, cfg_cls: type, section: str, serve, 
         cfg = load(cfg_cls, section, vars(args))
     except (ValueError, OSError) as err:
         parser.error(str(err))
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     asyncio.run(serve(cfg))
     return 0

@@ -6,6 +6,7 @@ import dataclasses
 
 from kvfs.config import (KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, parse_size,
                          size_field)
+from kvfs.logs import log_format_option
 
 from .eviction import DEFAULT_POLICY, POLICIES
 
@@ -114,6 +115,7 @@ class MetaserverConfig:
                             "trusted lab only (logged loudly at start-up)")
     ready_file: str = option("", "once serving, write the bound address here (for launchers)")
     log_level: str = option("INFO", "logging level")
+    log_format: str = log_format_option()
 
     def __post_init__(self) -> None:
         check_choices(self)

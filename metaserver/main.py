@@ -6,11 +6,11 @@ import asyncio
 import logging
 import sys
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
-from kvfs.serving import (LoopStats, MetricsServer, bound_address, cluster_key, credentials, grpc_server,
+from kvfs.serving import (LoopStats, MetricsServer, add_introspection, bound_address, cluster_key, credentials, grpc_server,
                           run_server, until_signalled, watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
@@ -41,8 +41,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     registry = CollectorRegistry()
     servicer = MetaServicer(state, lifecycle, loop, RpcMetrics(registry))
     add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = add_introspection(server, SERVICE)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
     metrics = None
     if cfg.metrics_listen:  # before serving: a port taken stops the server before any call reaches it

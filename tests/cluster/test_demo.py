@@ -13,7 +13,7 @@ KVFS = [sys.executable, "-m", "kvfs.cli"]
 
 def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
     proc = subprocess.run([*KVFS, "demo", "--prompts", "24", "--engine-tokens", "300",
-                           "--data-dir", str(tmp_path / "demo")],
+                           "--data-dir", str(tmp_path / "demo"), "--top-svg", str(tmp_path / "top.svg")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -23,6 +23,8 @@ def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
     assert 0 < hit < 100
     assert "same answer: yes" in out and "x faster" in out
     assert "cluster stopped" in out
+    svg = (tmp_path / "top.svg").read_text()  # the `kvfs top` frame of the workload (docs/kvfs-top.svg)
+    assert svg.startswith("<svg") and all(f"{w}" in svg for w in ("hit&#160;ratio", "restore&#160;B/s", "cs-2"))
     for i in range(3):  # every chunkserver took part
         assert list((tmp_path / "demo" / f"cs-{i}" / "slots").glob("*/*.slots"))
 

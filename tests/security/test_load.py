@@ -86,7 +86,7 @@ async def metaserver_load(cluster, who) -> dict[grpc.StatusCode, int]:
         calls = [ch.unary_unary("/kvfs.meta.MetaService/MatchPrefix")(too_big.SerializeToString(), timeout=60)
                  for _ in range(2)]
         for _ in range(HOSTILE_BODIES):
-            path, (role, request, streaming) = rng.choice(cases)
+            path, (role, request, _) = rng.choice(cases)
             if "/kvfs.meta." not in path or path.endswith("RunLifecycle"):
                 continue
             calls.append(ch.unary_unary(path)(mangled(request.SerializeToString(), rng), timeout=30))

@@ -2,12 +2,14 @@
 Kubernetes manifest and systemd unit starts a real entry point with flags its
 parser has, names only KVFS_* variables that are settings, builds a config the
 real loader accepts, and agrees with itself on ports (Services, container ports,
-probes, scrape annotations, the addresses servers are told). The Grafana
-dashboard queries only metrics the servers define."""
+probes, scrape annotations, the ServiceMonitor, the addresses servers are told).
+The Dockerfile installs this package and runs its entry points, as the manifests
+expect. The Grafana dashboard queries only metrics the servers define."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import re
 import shlex
@@ -103,7 +105,7 @@ def check_listens(cfg, where: str) -> None:
 # ---- Kubernetes ----------------------------------------------------------------
 
 WORKLOADS = ("StatefulSet", "DaemonSet")
-KINDS = ("ConfigMap", "Service", *WORKLOADS)
+KINDS = ("ConfigMap", "Service", "ServiceMonitor", *WORKLOADS)
 
 
 @dataclasses.dataclass
@@ -265,6 +267,59 @@ def test_kubernetes_services_expose_the_ports_the_servers_bind_and_tell_each_oth
         assert pathlib.PurePath(c.cfg.tls_cert).stem == c.cfg.id, f"{c.name}: a certificate naming its id"
         governing = c.workload["spec"]["serviceName"]
         assert host(c.cfg.advertise) == f"{c.pod}.{governing}.{POD_FIELDS['metadata.namespace']}.svc", c.name
+
+
+def test_the_servicemonitor_scrapes_every_servers_metrics_port(kube):
+    docs, containers = kube
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    services = [d for d in docs if d["kind"] == "Service"
+                and all(d["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())]
+    for c in containers:  # every server is scraped on the port it serves metrics on, at /metrics
+        scraped = set()
+        for s in (s for s in services if selects(s, c.workload)):
+            ports = {p.get("name"): p for p in s["spec"]["ports"]}
+            for endpoint in monitor["spec"]["endpoints"]:
+                assert endpoint["port"] in ports, f"Service {s['metadata']['name']}: no port {endpoint['port']}"
+                assert endpoint.get("path", "/metrics") == "/metrics"
+                p = ports[endpoint["port"]]
+                scraped.add(c.resolve(p.get("targetPort", p["port"])))
+        assert scraped == {port(c.cfg.metrics_listen)}, f"{c.name}: scraped on {scraped}"
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """deploy/Dockerfile as (INSTRUCTION, arguments), continuation lines joined."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_the_dockerfile_installs_this_package_without_extras_and_runs_its_servers(kube):
+    docs, containers = kube
+    steps = dockerfile()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert steps[0] == ("FROM", "python:3.11-slim")
+    floor = re.search(r"(\d+)\.(\d+)", project["project"]["requires-python"]).groups()
+    assert (3, 11) >= tuple(map(int, floor)), "the image's Python is older than requires-python"
+    copied = {pathlib.PurePath(src).as_posix().rstrip("/") for kind, args in steps if kind == "COPY"
+              for src in shlex.split(args)[:-1]}
+    folders = {pathlib.PurePath(d).parts[0] for d in project["tool"]["setuptools"]["package-dir"].values()}
+    assert folders | {"pyproject.toml", project["project"]["readme"]} <= copied, "a package folder is not copied"
+    installs = [shlex.split(args) for kind, args in steps if kind == "RUN" and "pip install" in args]
+    assert len(installs) == 1
+    targets = [a for a in installs[0][installs[0].index("install") + 1:] if not a.startswith("-")][:1]
+    assert targets == ["."], f"pip installs {targets}, not the package itself without extras"
+    (cmd,) = [json.loads(args) for kind, args in steps if kind == "CMD"]
+    assert cmd[0] in SERVERS and cmd[0] in SCRIPTS, f"CMD runs {cmd[0]}, not a server's entry point"
+    # what the manifests run on it: their programs, user, ports and the image's version
+    assert {c.program for c in containers} <= set(SCRIPTS)
+    (user,) = [args for kind, args in steps if kind == "USER"]
+    for c in containers:
+        context = c.workload["spec"]["template"]["spec"].get("securityContext", {})
+        assert str(context.get("runAsUser")) == user, f"{c.name} runs as {context.get('runAsUser')}, image as {user}"
+        assert c.spec["image"].rpartition(":")[2] == project["project"]["version"], c.name
+    exposed = {int(p) for kind, args in steps if kind == "EXPOSE" for p in args.split()}
+    assert exposed == {p for c in containers for p in c.ports.values()}, "EXPOSE is not the servers' ports"
 
 
 def test_kubernetes_configmap_files_load_with_the_real_loader(tmp_path):

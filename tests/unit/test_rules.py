@@ -3,11 +3,12 @@ data-port operation is listed; identities read from certificates as issued."""
 
 import pytest
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from kvfs import auth, tls, wire
 from kvfs.proto import chunk_pb2, meta_pb2
 
-SERVED = [meta_pb2, chunk_pb2, health_pb2]  # the services our servers register
+SERVED = [meta_pb2, chunk_pb2, health_pb2, reflection_pb2]  # the services our servers register
 
 
 def served_methods() -> set[str]:
@@ -18,7 +19,7 @@ def served_methods() -> set[str]:
 
 def test_every_method_of_every_service_has_a_rule():
     methods = served_methods()
-    assert len(methods) >= 17  # 8 meta + 6 chunk + 3 health: the walk found them
+    assert len(methods) >= 18  # 8 meta + 6 chunk + 3 health + 1 reflection: the walk found them
     missing = sorted(methods - set(auth.RULES))
     assert not missing, f"methods without an access rule in kvfs/auth.py RULES: {missing}"
 

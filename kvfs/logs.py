@@ -1,0 +1,48 @@
+"""How a server's log lines look: text for people, or one JSON object per line for
+log shippers (Loki, Elasticsearch, Cloud Logging), which then need no parsing rules."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+from typing import Any
+
+from kvfs.config import option
+
+FORMATS = ("text", "json")
+TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one line of JSON: time (UTC, ISO 8601), level, logger, message,
+    and exc_info (the formatted traceback) when the record carries one. json.dumps
+    escapes the message, so a newline or quote in it cannot split or break a line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def log_format_option() -> Any:
+    """The `log_format` setting every server has."""
+    return option("text", "log lines as text, or json: one object per line (time, level, logger, message, "
+                  "exc_info) for log shippers", FORMATS)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    """Sends the process's log lines to stderr at `level`, as `fmt` (one of FORMATS)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
+    logging.basicConfig(level=level, handlers=[handler])
+    logging.captureWarnings(True)  # Python's warnings too, so every line of a JSON log is JSON
