@@ -69,8 +69,7 @@ def frame(prev: Sample, cur: Sample) -> Group:
     restored, restored_before = sum(cur.read_bytes.values()), sum(prev.read_bytes.get(k, 0) for k in cur.read_bytes)
     dead = sum(not s.live for s in st.servers)
     cluster = Table(title="kvfs top", caption=f"cache {_human(st.cache_bytes)} of {_human(st.cache_capacity_bytes)}"
-                    f"; repair: {dead} dead servers whose chunks it copies (a backlog count is not reported); "
-                    "write-backs deferred or dropped are counted in the clients, not here")
+                    "; write-backs deferred or dropped are counted in the clients, not here")
     columns = {"hit ratio": _ratio(cur.total("blocks_hit"), cur.total("blocks_requested")),
                "lookups": f"{cur.total('lookups'):,}",
                "lookups/s": _rate(prev, cur, cur.total("lookups"), prev.total("lookups")),
@@ -98,7 +97,14 @@ def frame(prev: Sample, cur: Sample) -> Group:
                         _human(s.used_bytes), _human(s.capacity_bytes),
                         _ratio(s.allocated_bytes, s.capacity_bytes),
                         "-" if now is None else _rate(prev, cur, now, prev.read_bytes.get(s.id), "bytes"))
-    return Group(cluster, tenants, servers)
+    repair = Table(title="repair (chunks short of copies: at the start of its last round)")
+    for name in ("dead servers", "short of copies", "copied", "copied B", "copies/s", "failed"):
+        repair.add_column(name, justify="right")
+    repair.add_row(f"{dead:,}", f"{st.repair_backlog:,}", f"{st.repair_copied_chunks:,}",
+                   _human(st.repair_copied_bytes),
+                   _rate(prev, cur, st.repair_copied_chunks, prev.status.repair_copied_chunks),
+                   f"{st.repair_failed_copies:,}")
+    return Group(cluster, repair, tenants, servers)
 
 
 def run(console, meta: str, credentials: tls.Credentials | None, interval: float, once: bool) -> int:

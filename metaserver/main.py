@@ -39,7 +39,7 @@ async def serve(cfg: MetaserverConfig) -> None:
     loop = LoopStats()
     state.members.watch(loop)
     registry = CollectorRegistry()
-    servicer = MetaServicer(state, lifecycle, loop, RpcMetrics(registry))
+    servicer = MetaServicer(state, lifecycle, loop, RpcMetrics(registry), repairer)
     add_to_server(servicer, server)
     health_servicer = add_introspection(server, SERVICE)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))

@@ -49,6 +49,8 @@ GAUGES = (  # metric, StatusReply field, help
                                                                "under evict_high of it"),
     ("kvfs_meta_open_allocations", "open_allocations", "allocations neither committed nor expired yet"),
     ("kvfs_meta_chains", "chains", "chains in the chain table (over live servers)"),
+    ("kvfs_meta_repair_backlog_chunks", "repair_backlog", "chunks short of copies at the last repair round's "
+                                                          "start (0 once repair keeps up)"),
     ("kvfs_meta_loop_longest_stall_seconds", "loop_longest_stall_s", "the event loop's longest stall since the "
                                                                      "start"),
 )
@@ -61,6 +63,10 @@ COUNTERS = (  # metric (the exposition adds _total), StatusReply field, help
     ("kvfs_meta_replicas_lost", "replicas_lost", "chunk copies chunkservers removed as corrupt"),
     ("kvfs_meta_gc_deleted_chunks", "gc_deleted_chunks", "chunks deleted on chunkservers (garbage, evicted, "
                                                          "expired)"),
+    ("kvfs_meta_repair_copied_chunks", "repair_copied_chunks", "chunk copies repair made"),
+    ("kvfs_meta_repair_copied_bytes", "repair_copied_bytes", "bytes of the chunk copies repair made"),
+    ("kvfs_meta_repair_failed_copies", "repair_failed_copies", "chunk copies that failed (tried again the next "
+                                                               "round)"),
 )
 
 

@@ -21,6 +21,7 @@ from kvfs.serving import STALL_BOUNDS, LoopStats
 
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, timed
+from .repair import Repairer
 from .state import MetaState
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,10 @@ def add_to_server(servicer: MetaServicer, server) -> None:
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def __init__(self, state: MetaState, lifecycle: Lifecycle, loop: LoopStats | None = None,
-                 rpc_metrics: RpcMetrics | None = None):
+                 rpc_metrics: RpcMetrics | None = None, repairer: Repairer | None = None):
         self.state = state
         self.lifecycle = lifecycle
+        self.repairer = repairer  # None where none runs (tests of the servicer alone)
         self.loop = loop or LoopStats()
         self.rpc_metrics = rpc_metrics or RpcMetrics(CollectorRegistry())  # a registry nobody serves
 
@@ -204,6 +206,10 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      stranded_blocks=st.stranded_blocks, cache_bytes=st.cache_bytes,
                                      cache_capacity_bytes=st.capacity_bytes(),
                                      loop_longest_stall_s=self.loop.longest)
+        if self.repairer is not None:
+            r = self.repairer
+            reply.repair_backlog, reply.repair_copied_chunks = r.under_replicated, r.copied_chunks
+            reply.repair_copied_bytes, reply.repair_failed_copies = r.copied_bytes, r.failed_copies
         for bound, n, busy in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy):
             reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy)
         for sid in sorted(st.servers):

@@ -74,6 +74,10 @@ async def test_top_once_shows_what_the_servers_report(local_cluster, capsys):
     assert values["lookups/s"] == "0.0/s" and values["restore B/s"] == "0 B/s"  # nothing ran meanwhile
     assert (values["blocks"], values["evicted"], values["lost blocks"]) == (str(status.blocks), "0", "0")
     assert status.blocks == 4
+    names = row(out, "dead servers")
+    repair = dict(zip(names, table[table.index(names) + 1]))
+    assert repair == {"dead servers": "0", "short of copies": str(status.repair_backlog), "copied": "0",
+                      "copied B": "0 B", "copies/s": "0.0/s", "failed": "0"} and status.repair_backlog == 0
     assert row(out, "acme")[1:4] == ["2", "4", "50.0%"]
     for s in status.servers:
         cells = row(out, s.id)

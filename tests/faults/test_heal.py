@@ -26,8 +26,10 @@ async def test_dead_server_is_detected_re_replicated_and_reconciled_on_return(lo
     payload = os.urandom(MLA.buffer_bytes(24 * 64))
     async with Client(cluster.meta_address) as client:
         await client.write(NS, tokens, payload, MLA)
-        before = holders(await client.lookup(NS, tokens))
+        first = await client.lookup(NS, tokens)
+        before = holders(first)
         on_victim = sum("cs-1" in h for h in before)
+        victim_bytes = sum(c.length for b in first.blocks for c in b.chunks if "cs-1" in {s.id for s in first.holders(c)})
         assert on_victim > 0 and all(len(h) == 2 for h in before)
 
         cluster.chunkservers[1].kill()
@@ -49,6 +51,15 @@ async def test_dead_server_is_detected_re_replicated_and_reconciled_on_return(lo
         out, _, stats = await restore_all(client, await client.lookup(NS, tokens), MLA)
         assert bytes(out) == payload
         print(f"saw: cs-1 out of lookups after {detected:.1f}s, every chunk on two live servers after {healed:.1f}s")
+        # Status counts the copies (kvfs top and the metrics show them), and the backlog
+        # empties once a round finds nothing short
+        async def copies_counted():
+            return (await client.status()).repair_copied_chunks >= on_victim
+
+        await until(copies_counted, 10, "Status to count the copies", interval=0.1)
+        status = await client.status()
+        assert (status.repair_copied_chunks, status.repair_copied_bytes, status.repair_failed_copies) == \
+            (on_victim, victim_bytes, 0)
 
         cs1 = cluster.start_chunkserver(1)  # waits until the metaserver lists it live, i.e. reconciled
         async with ChunkClient(cs1.address) as c:
