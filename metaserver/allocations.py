@@ -26,7 +26,7 @@ from .config import MetaserverConfig
 from .db import Batch, MetaDB
 from .groups import NO_KEY
 from .membership import Membership, ServerState
-from .records import ALLOC, Row, row_layout
+from .records import ALLOC, ALLOC_SETTLED, Row, read_u64, row_layout, u64
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class _Allocated:
         return self.record.parents[i] if i < len(self.record.parents) else b""
 
 
+def _forget(batch: Batch, alloc_id: bytes) -> None:
+    batch.delete(ALLOC + alloc_id)
+    batch.delete(ALLOC_SETTLED + alloc_id)
+
+
 def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
     """The keys as a list, once they are few enough (counted before a Python object is
     made for each: a request just under the byte limit holds millions) and well formed."""
@@ -123,7 +128,11 @@ class Allocations:
         self._pins: collections.Counter[bytes] = collections.Counter()
         self.write_pace = Gcra(cfg.tenant_write_rate)  # per tenant, in payload bytes of new blocks
         for key, raw in db.scan(ALLOC):
-            self._opened(key[1:], Allocation.of(meta_pb2.AllocationRecord.FromString(raw)))
+            record = meta_pb2.AllocationRecord.FromString(raw)
+            settled = db.get(ALLOC_SETTLED + key[1:])
+            if settled is not None:
+                record.settled = max(record.settled, read_u64(settled))
+            self._opened(key[1:], Allocation.of(record))
 
     def _opened(self, alloc_id: bytes, alloc: Allocation) -> None:
         self.open[alloc_id] = alloc
@@ -424,12 +433,12 @@ class Allocations:
             if key not in named:
                 garbage += of.chunks(key)  # allocated, not named by the commit: abandoned
         if last:
-            batch.delete(ALLOC + alloc_id)
+            _forget(batch, alloc_id)
             self._closed(alloc_id)
         else:
             alloc.footprint -= footprint(record.chunks[record.settled * of.per_block : settled * of.per_block])
             record.settled = settled
-            batch.put(ALLOC + alloc_id, record.SerializeToString())
+            batch.put(ALLOC_SETTLED + alloc_id, u64(settled))
         self.db.write(batch)
         return len(new), already
 
@@ -453,6 +462,6 @@ class Allocations:
             batch = Batch()
             for a in expired:
                 garbage += self._closed(a).unsettled_chunks()
-                batch.delete(ALLOC + a)
+                _forget(batch, a)
             self.db.write(batch)
         return len(expired), garbage

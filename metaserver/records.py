@@ -53,6 +53,9 @@ FULL = 2 * KEY_BYTES  # namespace digest + block key
 BLOCK, ROW, CHILD, EXPIRY, VICTIM, REPLICA, SHORT = b"b", b"l", b"c", b"x", b"v", b"r", b"u"
 GHOST, GHOST_ORDER, STAGED = b"g", b"h", b"t"
 ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
+# an open allocation's count of settled keys, beside its record: a commit piece writes
+# these 8 bytes, not the whole record again (tens of KB for 500 blocks, per piece)
+ALLOC_SETTLED = b"e"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
 
 FORMAT = 5  # of this layout; a database of another format is refused at start

@@ -402,6 +402,36 @@ def test_a_large_commit_is_written_in_pieces_and_an_allocation_expiring_between_
     assert_metadata_consistent(state)
 
 
+def test_a_restart_between_two_pieces_of_a_commit_keeps_what_the_pieces_settled(make_state):
+    """A piece writes the allocation's settled count beside its record, not the record
+    again: reopened, the allocation knows the pieces' blocks are settled, so its
+    expiry frees only the rest, and its retry commits the rest."""
+    from kvfs.metaserver.records import ALLOC_SETTLED
+
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    req = commit_request(alloc)
+    steps = state.allocations.commit_steps(NS.digest, req)
+    first = until_a_piece_is_written(state, steps)
+    second = until_a_piece_is_written(state, steps)
+    steps.close()
+    state.close()  # the process stops between two pieces
+    state = make_state(clock, register=False)
+    reopened = state.allocations.open[alloc.allocation_id]
+    assert reopened.record.settled == first + second < 200
+    chunk_ids = [[c.chunk_id for c in b.chunks] for b in alloc.blocks]
+    assert {c.chunk_id for c in reopened.unsettled_chunks()} == {c for ids in chunk_ids[first + second:] for c in ids}
+    assert state.commit(NS.digest, req)[:2] == (200 - first - second, first + second)  # its retry
+    assert state.match(NS.digest, keys).matched == 200
+    assert not state.allocations.open
+    state.close()
+    state = make_state(clock, register=False)  # nothing of the allocation is left behind
+    assert not state.allocations.open and not list(state.blocks.db.scan(ALLOC_SETTLED))
+    assert_metadata_consistent(state)
+
+
 def test_while_lookups_keep_coming_a_commit_decides_and_writes_smaller_pieces(make_state):
     from kvfs.metaserver.allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS
 
