@@ -190,6 +190,41 @@ def without(value: bytes, offsets: set[int]) -> bytes | None:
                      value[_COPIES:locs], *kept_locs, *kept_rests))
 
 
+def appended(value: bytes, new: list[tuple[int, bytes]]) -> bytes | None:
+    """A group's value with the rows `new` ((slot, row), slots in increasing order)
+    added, when every slot of them lies after the group's last row; None otherwise
+    (pack the group whole). The rows already in the value are not parsed again."""
+    loc_ends, rest_ends = list(_ENDS.unpack_from(value, _LOC_ENDS)), list(_ENDS.unpack_from(value, _REST_ENDS))
+    last = max((k for k in range(GROUP_SLOTS) if rest_ends[k + 1] > rest_ends[k]), default=-1)
+    if new[0][0] <= last:
+        return None
+    keys = bytearray(value[:_EXPIRES])
+    expires = list(_EXPIRY_ALL.unpack_from(value, _EXPIRES))
+    servers = set(server_numbers(value))
+    copies = value[_COPIES]
+    locs_at, rests_at = _areas(value)
+    locs, rests = [value[locs_at:rests_at]], [value[rests_at : rests_at + rest_ends[-1]]]
+    loc_end, rest_end, at = loc_ends[-1], rest_ends[-1], last + 1
+    for k, raw in new:
+        for j in range(at, k + 1):  # the empty slots before it end where the last row did
+            loc_ends[j], rest_ends[j] = loc_end, rest_end
+        n, ttl, last_used = LOOKUP.unpack_from(raw, KEY_BYTES)
+        split = location_offset(raw)
+        keys[KEY_BYTES * k : KEY_BYTES * (k + 1)] = raw[:KEY_BYTES]
+        expires[k] = last_used + ttl
+        servers.update(struct.unpack_from(f"<{n}H", raw, SERVERS))
+        copies = min(copies, row_copies(raw))
+        locs.append(raw[split:])
+        rests.append(raw[:split])
+        loc_end, rest_end, at = loc_end + len(raw) - split, rest_end + split, k + 1
+    for j in range(at, GROUP_SLOTS + 1):
+        loc_ends[j], rest_ends[j] = loc_end, rest_end
+    numbers = sorted(servers)
+    return b"".join((keys, _EXPIRY_ALL.pack(*expires), _ENDS.pack(*loc_ends), _ENDS.pack(*rest_ends),
+                     bytes([copies]), _U16.pack(len(numbers)), struct.pack(f"<{len(numbers)}H", *numbers),
+                     *locs, *rests))
+
+
 def stage(db, changes: dict[tuple[bytes, int], bytes | None], batch) -> None:
     """Adds to `batch` (a rocksdict WriteBatch) the groups these row changes
     ((namespace digest, slot) -> row, None: removed) make of the groups as stored now."""
@@ -198,13 +233,17 @@ def stage(db, changes: dict[tuple[bytes, int], bytes | None], batch) -> None:
         by_group.setdefault(group_key(ns, slot // GROUP_SLOTS), []).append((slot % GROUP_SLOTS, raw))
     names = list(by_group)
     for name, value in zip(names, db.get(names)):
-        if value is not None and all(raw is None for _, raw in by_group[name]):
-            packed = without(value, {offset for offset, _ in by_group[name]})
+        changed = by_group[name]
+        if value is not None and all(raw is None for _, raw in changed):
+            packed = without(value, {offset for offset, _ in changed})
         else:
-            rows = unpack(value)
-            for offset, raw in by_group[name]:
-                rows[offset] = raw
-            packed = pack(rows)
+            adding = value is not None and all(raw is not None for _, raw in changed)
+            packed = appended(value, sorted(changed)) if adding else None
+            if packed is None:
+                rows = unpack(value)
+                for offset, raw in changed:
+                    rows[offset] = raw
+                packed = pack(rows)
         if packed is None:
             batch.delete(name)
         else:

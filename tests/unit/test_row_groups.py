@@ -106,6 +106,42 @@ def test_a_group_value_holds_its_rows_and_their_lookup_fields():
     assert groups.run_length(value, 5, bytes([6]) * 16, 0, 1) == 1
 
 
+def _random_row(rng, slot: int) -> bytes:
+    return Row(ttl=100, depth=slot, hits=1, created=1.0, last_used=float(slot), rank=0.0, footprint=1, nbytes=1,
+               parent=b"", servers=tuple(rng.sample(range(12), rng.randint(1, 3))), ttl_class="chat",
+               location=b"\x12\x03\x1a\x01" + bytes([slot]) * rng.randint(1, 9),
+               layout=LAYOUT_MSG.SerializeToString(), key=bytes([slot + 1]) * 16, slot=slot).encode()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rows_appended_after_a_groups_last_row_read_as_packing_the_group_whole_would(seed):
+    import random
+    rng = random.Random(seed)
+    rows = [None] * groups.GROUP_SLOTS
+    last = rng.randrange(groups.GROUP_SLOTS - 1)
+    for slot in sorted(rng.sample(range(last + 1), rng.randint(1, last + 1))):
+        rows[slot] = _random_row(rng, slot)
+    value = groups.pack(rows)
+    if rng.random() < 0.5:  # rows cut out first: the servers a superset, the fewest copies a bound
+        gone = set(rng.sample(groups.occupied(value), rng.randint(0, len(groups.occupied(value)) - 1)))
+        value = groups.without(value, gone)
+        rows = [None if k in gone else raw for k, raw in enumerate(rows)]
+    last_row = max(groups.occupied(value))
+    new = [(k, _random_row(rng, k)) for k in sorted(rng.sample(range(last_row + 1, groups.GROUP_SLOTS),
+                                                              rng.randint(1, groups.GROUP_SLOTS - 1 - last_row)))]
+    added = groups.appended(value, new)
+    for k, raw in new:
+        rows[k] = raw
+    exact = groups.pack(rows)
+    assert groups.unpack(added) == rows and groups.occupied(added) == groups.occupied(exact)
+    assert groups.expiry_times(added, 0, groups.GROUP_SLOTS) == groups.expiry_times(exact, 0, groups.GROUP_SLOTS)
+    for k in range(groups.GROUP_SLOTS):
+        assert groups.locations(added, k, groups.GROUP_SLOTS - k) == groups.locations(exact, k, groups.GROUP_SLOTS - k)
+    assert set(groups.server_numbers(added)) >= set(groups.server_numbers(exact))
+    assert groups.fewest_copies(added) <= groups.fewest_copies(exact)
+    assert groups.appended(added, [(last_row, _random_row(rng, last_row))]) is None  # not after the last row
+
+
 def test_rows_cut_out_of_a_group_leave_the_others_as_packing_them_would():
     import random
     rng = random.Random(5)
