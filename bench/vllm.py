@@ -39,13 +39,15 @@ def _tls_config(folder) -> dict:
     return {"tls_ca": f"{folder}/ca.pem", "tls_cert": f"{folder}/worker.pem", "tls_key": f"{folder}/worker.key"}
 
 
-def make_llm(model: str, meta: str, tenant: str, tls_dir=None):
-    """An engine with KvfsConnector on the metaserver `meta` (vLLM's own prefix cache off)."""
+def make_llm(model: str, meta: str, tenant: str, tls_dir=None, log_stats: bool = False):
+    """An engine with KvfsConnector on the metaserver `meta` (vLLM's own prefix cache off);
+    `log_stats`: vLLM's stat loggers on (its log lines and `LLM.get_metrics()`), as `vllm serve` has them."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, attention_backend="CPU_MLA",
                enable_prefix_caching=False, max_model_len=8192, kv_cache_memory_bytes=64 << 20,
+               disable_log_stats=not log_stats,
                kv_transfer_config=KVTransferConfig(
                    kv_connector="KvfsConnector", kv_connector_module_path="kvfs.integrations.vllm",
                    kv_role="kv_both", kv_load_failure_policy="recompute",

@@ -17,7 +17,8 @@ looks the prefix up again, restores it layer by layer into a staging buffer
 lands; it snapshots newly computed full kvfs blocks layer by layer and writes
 them back in the background. A failed or short restore is reported through
 `get_block_ids_with_load_errors`, so vLLM recomputes those blocks (with
-`kv_load_failure_policy="recompute"`). See docs/vllm.md.
+`kv_load_failure_policy="recompute"`). Both roles report what they did through
+vLLM's KV-connector stats (integrations/vllm_metrics.py). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole)
 
 from kvfs.client import BlockLayout, BufferPool, Client, Namespace, SyncClient
+from kvfs.integrations.vllm_metrics import COUNTERS, TIMINGS, KvfsPromMetrics, KvfsStats
 from kvfs.tls import Credentials
 
 log = logging.getLogger(__name__)
@@ -173,9 +175,12 @@ class KvfsConnector(KVConnectorBase_V1):
         self._saves: list[tuple[SaveSpec, torch.Tensor]] | None = None
         self._writes: set[concurrent.futures.Future] = set()
         self._writer = True
-        # worker-side counters (tests and benchmarks read them through collective_rpc)
-        self.stats = {"loaded_tokens": 0, "loaded_bytes": 0, "load_seconds": 0.0, "load_failed_blocks": 0,
-                      "loaded_block_ids": [], "saved_blocks": 0, "save_failures": 0, "snapshot_seconds": 0.0}
+        # totals since start (tests and benchmarks read the worker's through collective_rpc), and this
+        # interval's for vLLM; write-backs record from the kvfs thread, vLLM takes them from its own
+        self.stats: dict[str, Any] = {key: 0 for key in COUNTERS} | {key: 0.0 for key in TIMINGS}
+        self.stats["loaded_block_ids"] = []
+        self._interval = KvfsStats()
+        self._stats_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._sync = SyncClient(self.meta_address, block_tokens=self.block_tokens, credentials=self.credentials,
                                     insecure=self.insecure)
@@ -200,6 +205,28 @@ class KvfsConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss, never an error
 
+    # ---- stats (both roles) ----------------------------------------------
+
+    def _record(self, **values: float) -> None:
+        with self._stats_lock:
+            self._interval.record(**values)
+            for key, value in values.items():
+                self.stats[key] += value
+
+    def get_kv_connector_stats(self) -> KvfsStats | None:
+        """What this side did since vLLM last asked (it asks every step)."""
+        with self._stats_lock:
+            interval, self._interval = self._interval, KvfsStats()
+        return None if interval.is_empty() else interval
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvfsStats:
+        return KvfsStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvfsPromMetrics:
+        return KvfsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- scheduler side --------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -220,10 +247,12 @@ class KvfsConnector(KVConnectorBase_V1):
         try:
             matched = self._sync.lookup(self.namespace, tokens, salt=salt).matched
         except Exception as err:
+            self._record(lookup_failures=1)
             log.warning("kvfs: lookup failed, computing request %s in full: %s", req_id, err)
             return 0
-        log.debug("kvfs: lookup of %d tokens: %d blocks in %.2f ms", len(tokens), matched,
-                  (time.perf_counter() - t0) * 1e3)
+        seconds = time.perf_counter() - t0
+        self._record(lookup_seconds=seconds, lookup_blocks=len(tokens) // self.block_tokens, matched_blocks=matched)
+        log.debug("kvfs: lookup of %d tokens: %d blocks in %.2f ms", len(tokens), matched, seconds * 1e3)
         return matched
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -351,7 +380,7 @@ class KvfsConnector(KVConnectorBase_V1):
             dst = buf.view(self.layout.layers, -1, self.vblock, KV_DIM)[layer, first:]
             idx = torch.tensor(spec.block_ids[first:], dtype=torch.long, device=kv.device)
             dst.copy_(kv.index_select(0, idx))
-        self.stats["snapshot_seconds"] += time.perf_counter() - t0
+        self._record(snapshot_seconds=time.perf_counter() - t0)
 
     def wait_for_save(self) -> None:
         saves, self._saves = self._saves, None
@@ -364,11 +393,11 @@ class KvfsConnector(KVConnectorBase_V1):
         try:
             res = await self._client.write(self.namespace, spec.token_ids, buf, self.layout, self.ttl_class,
                                            first_block=spec.first_block, salt=spec.salt)
-            self.stats["saved_blocks"] += res.committed
+            self._record(saved_blocks=res.committed, saved_bytes=res.bytes_written, save_seconds=res.seconds)
             log.info("kvfs: request %s: saved %d blocks (%d already stored, %d bytes) in %.1f ms", spec.req_id,
                      res.committed, res.already_present, res.bytes_written, res.seconds * 1e3)
         except Exception as err:  # a cache: the request goes on, the prefix just stays uncached
-            self.stats["save_failures"] += 1
+            self._record(save_failures=1)
             log.warning("kvfs: write-back of request %s failed, prefix not cached: %s", spec.req_id, err)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -387,14 +416,12 @@ class KvfsConnector(KVConnectorBase_V1):
             if ok:
                 tokens, seconds = ok * self.vblock, ld.seconds
                 nbytes = tokens * self.layout.layers * self.layout.row_bytes
-                self.stats["loaded_tokens"] += tokens
-                self.stats["loaded_bytes"] += nbytes
-                self.stats["load_seconds"] += seconds
+                self._record(loaded_tokens=tokens, loaded_bytes=nbytes, load_seconds=seconds)
                 self.stats["loaded_block_ids"] = ld.spec.block_ids[:ok]
                 log.info("kvfs: request %s: loaded %d tokens (%d bytes) in %.1f ms", ld.spec.req_id, tokens,
                          nbytes, seconds * 1e3)
         if failed:
-            self.stats["load_failed_blocks"] += len(failed)
+            self._record(load_failed_blocks=len(failed))
             log.warning("kvfs: %d vLLM blocks failed to load; vLLM recomputes them", len(failed))
         return failed
 

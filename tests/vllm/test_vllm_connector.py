@@ -4,10 +4,13 @@ loads it byte for byte, and corrupted stored bytes make vLLM recompute.
 
 Output equality is no oracle with a random model (a prefix cache can flip
 near-tied tokens); the checks are the bytes, the matched-token count and the
-first token's logprobs (within LOGPROB_TOL of a full recompute)."""
+first token's logprobs (within LOGPROB_TOL of a full recompute). What the
+connector did must also reach vLLM's own stats: its Prometheus metrics
+(`LLM.get_metrics()`) and its "KV Transfer metrics" log lines."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.vllm
 LOGPROB_TOL = 0.02
 PROMPT = [(37 * i + 11) % 1000 + 10 for i in range(200)]  # 3 full kvfs blocks + 8 tokens
 MATCHED = 192  # 3 kvfs blocks; also (200 - 1) // 16 * 16, the most vLLM may load
+SHORT = [(13 * i + 5) % 900 + 10 for i in range(40)]  # under one kvfs block: neither looked up nor saved
 TENANT = "acme"
 
 
@@ -45,9 +49,54 @@ def multiprocess(request, monkeypatch) -> bool:
     vllm.envs.disable_envs_cache()
 
 
+class TransferLog(logging.Handler):
+    """The messages of vLLM's stat logger, which runs in this (the frontend) process in both modes."""
+
+    LOGGER = "vllm.v1.metrics.loggers"
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def watch(self, llm):
+        # after LLM(): vLLM's logging setup (dictConfig) empties the handlers of its loggers' children
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return llm
+
+    def totals(self) -> dict[str, float]:
+        """The "KV Transfer metrics: k=v, ..." lines so far, summed per key (meaningful for counters)."""
+        totals: dict[str, float] = {}
+        for line in self.lines:
+            _, found, pairs = line.partition("KV Transfer metrics: ")
+            for pair in pairs.split(", ") if found else ():
+                key, value = pair.split("=")
+                totals[key] = totals.get(key, 0) + float(value)
+        return totals
+
+
+@pytest.fixture
+def transfer_log():
+    log = TransferLog()
+    yield log
+    logging.getLogger(TransferLog.LOGGER).removeHandler(log)
+
+
+def vllm_metrics(llm) -> dict:
+    """vLLM's Prometheus metrics of the kvfs connector by short name (counter -> value, histogram ->
+    its Histogram), and vLLM's own count of prompt tokens supplied by the connector."""
+    from vllm.v1.metrics.reader import Histogram
+
+    return {m.name.removeprefix("vllm:").removeprefix("kvfs_"): m if isinstance(m, Histogram) else m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:kvfs_") or m.name == "vllm:external_prefix_cache_hits"}
+
+
 def make_llm(model: str, meta: str):
     t0 = time.perf_counter()
-    llm = bench.make_llm(model, meta, TENANT)
+    llm = bench.make_llm(model, meta, TENANT, log_stats=True)
     print(f"  LLM() in {time.perf_counter() - t0:.1f}s")
     return llm
 
@@ -104,12 +153,44 @@ def stored(meta: str, model: str, salt: str | None = None) -> tuple[int, bytes]:
         return match.matched, bytes(out)
 
 
-def save_then_load(local_cluster, model):
+def vllm_saw_the_save(llm, transfer_log: TransferLog, stored_bytes: int) -> None:
+    """The miss's lookup and write-back, in vLLM's metrics and log."""
+    # the write-back finishes after the request did: its numbers go out with the next step's
+    wait_until(lambda: llm.collective_rpc(STATS)[0]["saved_blocks"] == 3, timeout=30, what="the write-back counted")
+    first_token(llm, SHORT)
+    saw, own = vllm_metrics(llm), llm.collective_rpc(STATS)[0]
+    llm.llm_engine.do_log_stats()
+    said = transfer_log.totals()
+    print(f"  engine 1 in vLLM's log: {[line for line in transfer_log.lines if 'KV Transfer' in line]}")
+    assert saw["lookup_seconds"].count == 1 and saw["lookup_blocks"] == 3 and saw["matched_blocks"] == 0
+    assert saw["saved_blocks"] == 3 and saw["saved_bytes"] == stored_bytes and saw["save_failures"] == 0
+    assert saw["save_seconds"].count == 1 and saw["save_seconds"].sum == pytest.approx(own["save_seconds"])
+    assert saw["loaded_tokens"] == 0 and saw["load_seconds"].count == 0
+    assert said["saved_blocks"] == 3 and said["saved_bytes"] == stored_bytes and said["lookups"] == 1
+
+
+def vllm_saw_the_load(llm, transfer_log: TransferLog, stored_bytes: int, load_seconds: float) -> None:
+    """The hit's lookup and restore, in vLLM's metrics and log: the bytes kvfs holds for the prefix,
+    the tokens vLLM counted as the connector's."""
+    saw = vllm_metrics(llm)
+    llm.llm_engine.do_log_stats()
+    said = transfer_log.totals()
+    print(f"  engine 2 in vLLM's log: {[line for line in transfer_log.lines if 'KV Transfer' in line]}")
+    assert saw["loaded_bytes"] == stored_bytes
+    assert saw["loaded_tokens"] == MATCHED == saw["external_prefix_cache_hits"]
+    assert saw["lookup_seconds"].count == 1 and saw["lookup_blocks"] == 3 and saw["matched_blocks"] == 3
+    assert saw["load_seconds"].count == 1 and saw["load_seconds"].sum == pytest.approx(load_seconds)
+    assert saw["load_failed_blocks"] == 0 and saw["saved_blocks"] == 0
+    assert said["loaded_bytes"] == stored_bytes and said["loaded_tokens"] == MATCHED and said["loads"] == 1
+    assert said["matched_blocks"] == 3 and said["block_hit_ratio"] == 1
+
+
+def save_then_load(local_cluster, model, transfer_log):
     cluster = local_cluster(chunkservers=3, replicas=2)
     meta = cluster.meta_address
     print(f"cluster at {meta}; prompt of {len(PROMPT)} tokens")
 
-    llm = make_llm(model, meta)
+    llm = transfer_log.watch(make_llm(model, meta))
     tok1, lp1, cached1, ttft1 = first_token(llm)
     print(f"engine 1 (miss): token {tok1}, num_cached_tokens {cached1}, {ttft1 * 1e3:.0f} ms")
     assert cached1 == 0
@@ -119,9 +200,11 @@ def save_then_load(local_cluster, model):
     print(f"  kvfs holds {blocks} blocks ({len(payload)} bytes); {found}/24 of their (layer, 16-token) rows are "
           f"in engine 1's paged cache, byte for byte")
     assert found == 2 * MATCHED // 16
+    vllm_saw_the_save(llm, transfer_log, len(payload))
     close(llm)
+    transfer_log.lines.clear()
 
-    llm = make_llm(model, meta)
+    llm = transfer_log.watch(make_llm(model, meta))
     tok2, lp2, cached2, ttft2 = first_token(llm)
     stats = llm.collective_rpc(STATS)[0]
     loaded = llm.collective_rpc(PAGED_ROWS, args=(stats["loaded_block_ids"],))[0]
@@ -133,21 +216,23 @@ def save_then_load(local_cluster, model):
     assert stats["loaded_tokens"] == MATCHED and stats["load_failed_blocks"] == 0
     assert loaded == payload, "the paged blocks engine 2 loaded differ from the bytes engine 1 saved"
     assert lp1.keys() & lp2.keys() and diff <= LOGPROB_TOL
+    vllm_saw_the_load(llm, transfer_log, len(payload), stats["load_seconds"])
     close(llm)
+    transfer_log.lines.clear()
     return cluster, meta, lp1
 
 
-def test_fresh_engine_loads_the_saved_prefix(local_cluster, tiny_model, multiprocess):
+def test_fresh_engine_loads_the_saved_prefix(local_cluster, tiny_model, multiprocess, transfer_log):
     print(f"multiprocessing {'on' if multiprocess else 'off'}")
-    save_then_load(local_cluster, tiny_model)
+    save_then_load(local_cluster, tiny_model, transfer_log)
 
 
-def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
+def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch, transfer_log):
     import vllm.envs
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     vllm.envs.disable_envs_cache()
-    cluster, meta, lp1 = save_then_load(local_cluster, tiny_model)
+    cluster, meta, lp1 = save_then_load(local_cluster, tiny_model, transfer_log)
 
     with SyncClient(meta) as client:
         match = client.lookup(Namespace(TENANT, tiny_model), PROMPT)
@@ -172,6 +257,8 @@ def test_corrupt_blocks_are_recomputed(local_cluster, tiny_model, monkeypatch):
           f"loaded {stats['loaded_tokens']} tokens; max first-token logprob diff vs engine 1 {diff:.5f}")
     assert stats["load_failed_blocks"] > 0 and stats["loaded_tokens"] == 0
     assert lp1.keys() & lp3.keys() and diff <= LOGPROB_TOL
+    saw = vllm_metrics(llm)  # the recompute, as vLLM's metrics count it
+    assert saw["load_failed_blocks"] == stats["load_failed_blocks"] and saw["loaded_bytes"] == 0
     close(llm)
     vllm.envs.disable_envs_cache()
 
