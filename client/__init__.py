@@ -13,8 +13,9 @@ from kvfs.layout import BlockLayout
 
 from .chunks import ChunkClient, chunk_checksum
 from .client import Client, PrefixMatch, SyncClient, WriteResult
+from .metrics import ClientMetrics
 from .pool import BufferPool
 from .restore import Restore, RestoreStats
 
-__all__ = ["BlockLayout", "BufferPool", "ChunkClient", "Client", "Namespace", "PrefixMatch", "Restore",
+__all__ = ["BlockLayout", "BufferPool", "ChunkClient", "Client", "ClientMetrics", "Namespace", "PrefixMatch", "Restore",
            "RestoreStats", "SyncClient", "WriteResult", "block_keys", "chunk_checksum"]

@@ -22,8 +22,9 @@ from kvfs.rpc import CHANNEL_OPTIONS
 
 from .chunks import ChunkClient, chunk_checksum
 from .config import resolve_credentials
+from .metrics import ClientMetrics
 from .hedge import HedgeBudget, ServerLatency
-from .restore import Restore
+from .restore import Restore, RestoreStats
 from .transport import GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
@@ -109,17 +110,22 @@ class Client:
     socket of shared-memory reads needs none); without them the client reads KVFS_CLIENT_TLS_CA / _CERT / _KEY (or
     KVFS_CONFIG's [client] table). `insecure=True` speaks plaintext, to a cluster
     started with --insecure only.
+
+    `metrics` (kvfs.client.ClientMetrics on the host process's Prometheus
+    registry) counts lookups, restores and write-backs as this process saw them.
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
-                 hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False):
+                 hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False,
+                 metrics: ClientMetrics | None = None):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.credentials = resolve_credentials(credentials, insecure)
         self.metaserver = metaserver
         self.transport = transport
+        self.metrics = metrics
         data_tls = self.credentials.ssl_context(server=False) if self.credentials is not None else None
         self._transports: dict[str, Transport] = {
             "grpc": GrpcTransport(self.chunkserver),
@@ -199,10 +205,13 @@ class Client:
         t0 = time.perf_counter()
         reply = await self._meta_call(self._meta.MatchPrefix,
                                       meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
+        seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.looked_up(len(keys), reply.matched, seconds)
         m = reply.layout
         return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, reply.blocks,
                            [ServerInfo(s.id, s.address, s.data_address) for s in reply.servers],
-                           time.perf_counter() - t0, reply.read_grant,
+                           seconds, reply.read_grant,
                            BlockLayout(m.layers, m.block_tokens, m.kv_dim, m.dtype) if reply.matched else None)
 
     def read(self, match: PrefixMatch, out, *, layers: Iterable[int] | None = None, blocks: int | None = None,
@@ -216,9 +225,16 @@ class Client:
         """
         if match.matched == 0:
             raise InvalidArgument("nothing matched: there is nothing to read")
+        on_done = None
+        if self.metrics is not None:
+            by_address = {s.address: s for s in match.servers}
+
+            def on_done(stats: RestoreStats, failed: bool) -> None:
+                self.metrics.restored(stats, lambda a: self.transport_for(by_address[a]).name, failed)
+
         return Restore(self.transport_for, match, out, layers, blocks, buffer_tokens,
                        self.per_server_reads, self.read_batch,
-                       (self.latency, self.hedges) if self.hedge else None)
+                       (self.latency, self.hedges) if self.hedge else None, on_done)
 
     async def write(self, namespace: Namespace, token_ids: Sequence[int], payload, layout: BlockLayout,
                     ttl_class: str = "", *, first_block: int = 0, buffer_tokens: int | None = None,
@@ -232,6 +248,19 @@ class Client:
         the server, and leaves the blocks uncommitted (their chunks are garbage
         collected). Blocks someone else committed first are left as they are.
         """
+        try:
+            result = await self._write(namespace, token_ids, payload, layout, ttl_class, first_block,
+                                       buffer_tokens, salt)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.write_failed()
+            raise
+        if self.metrics is not None:
+            self.metrics.wrote(result.committed, result.bytes_written, result.seconds)
+        return result
+
+    async def _write(self, namespace, token_ids, payload, layout, ttl_class, first_block, buffer_tokens,
+                     salt) -> WriteResult:
         if layout.block_tokens != self.block_tokens:
             raise InvalidArgument(f"layout has {layout.block_tokens}-token blocks, client {self.block_tokens}")
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvfs.buffers import address_of, byte_view
@@ -73,11 +73,15 @@ class Restore:
     With `hedging` (a client's ServerLatency and HedgeBudget), a batch still out
     after its server's p95 is also requested from other replicas (see hedge.py).
     Not when the destination lies in a shared arena: there the chunkserver writes
-    it itself, and such a write can't be fenced off."""
+    it itself, and such a write can't be fenced off.
+
+    `on_done(stats, failed)` hears once when it ends (the client's metrics)."""
 
     def __init__(self, transport_for, match, out, layers: Iterable[int] | None, blocks: int | None,
                  buffer_tokens: int | None, per_server: int, batch: int,
-                 hedging: tuple[ServerLatency, HedgeBudget] | None = None):
+                 hedging: tuple[ServerLatency, HedgeBudget] | None = None,
+                 on_done: Callable[[RestoreStats, bool], None] | None = None):
+        self._on_done = on_done
         self.layout: BlockLayout = match.layout
         self.blocks = match.matched if blocks is None else min(blocks, match.matched)
         layout = self.layout
@@ -283,6 +287,8 @@ class Restore:
             return
         self.stats.seconds = time.perf_counter() - self._started
         self._done.set()
+        if self._on_done is not None:
+            self._on_done(self.stats, self._error is not None)
 
     def _fail(self, err: KvfsError) -> None:
         if self._error is None:

@@ -210,3 +210,45 @@ async def test_a_partial_restore_computes_the_rest_exactly(local_cluster, pool):
         assert result.timings.bytes_restored == 2 * TINY.block_layout().payload_bytes
         assert torch.equal(result.first_logits, two_phase_reference(engine.model, tokens, 128))
         engine.close()
+
+
+async def test_client_and_engine_metrics_count_what_the_requests_did(local_cluster, pool):
+    """ClientMetrics and EngineCollector on one registry, as a worker's exporter
+    would serve them: every figure equals what the requests report."""
+    from prometheus_client import CollectorRegistry
+
+    from kvfs.client import ClientMetrics
+    from kvfs.engine.admission import AdmissionController
+    from kvfs.engine.metrics import EngineCollector
+
+    cluster = local_cluster()
+    registry = CollectorRegistry()
+    tokens = [t % 256 for t in tokens_for(4, seed=42, tail=7)]
+    other = [t % 256 for t in tokens_for(3, seed=43)]
+    async with Client(cluster.meta_address, metrics=ClientMetrics(registry)) as client:
+        engine = Engine(TINY, client, NS, pool=pool, admission=AdmissionController(policy="always-restore"))
+        registry.register(EngineCollector(engine))
+        miss = await engine.agenerate(tokens, 2)
+        await miss.write_back
+        hit = await engine.agenerate(tokens, 2)
+        engine.writebacks.max_bytes = 0  # a full queue: the next write-back is dropped
+        dropped = await engine.agenerate(other, 2)
+        engine.close()
+    value = registry.get_sample_value
+    block = TINY.block_layout().payload_bytes
+    assert value("kvfs_client_lookups_total") == 3
+    assert value("kvfs_client_lookup_blocks_total", {"result": "requested"}) == 4 + 4 + 3
+    assert value("kvfs_client_lookup_blocks_total", {"result": "matched"}) == hit.timings.tokens_matched // 64 == 4
+    assert value("kvfs_client_lookup_seconds_count") == 3
+    assert value("kvfs_client_restores_total", {"outcome": "ok"}) == 1
+    assert value("kvfs_client_restore_seconds_count") == 1
+    assert sum(value("kvfs_client_restore_bytes_total", {"transport": t}) or 0 for t in ("grpc", "tcp", "shm")) \
+        == hit.timings.bytes_restored == 4 * block
+    assert value("kvfs_client_writes_total", {"outcome": "ok"}) == 1
+    assert value("kvfs_client_write_blocks_total") == 4
+    assert value("kvfs_client_write_bytes_total") == miss.timings.bytes_written == 4 * block
+    assert value("kvfs_engine_admission_decisions_total", {"decision": "restore"}) == 1
+    assert value("kvfs_engine_admission_decisions_total", {"decision": "recompute"}) == 0
+    assert dropped.timings.write_back_dropped
+    assert value("kvfs_engine_write_backs_dropped_total") == 1
+    assert value("kvfs_engine_write_back_dropped_bytes_total") == 3 * block
