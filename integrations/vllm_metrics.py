@@ -21,6 +21,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvfs.client.metrics import BUCKETS  # the SDK's own histograms' buckets: the two read side by side
+
 # summed over an interval; each is the Prometheus counter vllm:kvfs_<key>_total
 COUNTERS = {
     "lookup_blocks": "Full kvfs blocks in the prompts the scheduler looked up in kvfs.",
@@ -41,7 +43,6 @@ TIMINGS = {
                               "cache."),
     "save_seconds": ("saves", "A write-back, from its start until kvfs committed its blocks."),
 }
-BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 @dataclass
@@ -50,22 +51,22 @@ class KvfsStats(KVConnectorStats):
     `data` maps a COUNTERS key to its sum and a TIMINGS key to its observations."""
 
     def record(self, **values: float) -> None:
-        for key, value in values.items():
-            if key in TIMINGS:
-                self.data.setdefault(key, []).append(value)
-            else:
-                self.data[key] = self.data.get(key, 0) + value
+        self._add({key: [value] if key in TIMINGS else value for key, value in values.items()})
 
     def aggregate(self, other: KVConnectorStats) -> KvfsStats:
         # a new object: vLLM hands the same dict to several loggers, none may see another's sums
         merged = KvfsStats({key: list(value) if isinstance(value, list) else value
                             for key, value in self.data.items()})
-        for key, value in other.data.items():
-            if isinstance(value, list):
-                merged.data.setdefault(key, []).extend(value)
-            else:
-                merged.data[key] = merged.data.get(key, 0) + value
+        merged._add(other.data)
         return merged
+
+    def _add(self, data: dict[str, Any]) -> None:
+        """Counters summed, timings' observations appended."""
+        for key, value in data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
 
     def reset(self) -> None:
         self.data = {}
@@ -97,7 +98,8 @@ class KvfsPromMetrics(KVConnectorPromMetrics):
             self._counter_cls(name=f"vllm:kvfs_{key}", documentation=doc, labelnames=labelnames),
             per_engine_labelvalues) for key, doc in COUNTERS.items()}
         self.histograms = {key: create_metric_per_engine(
-            self._histogram_cls(name=f"vllm:kvfs_{key}", documentation=doc, labelnames=labelnames, buckets=BUCKETS),
+            self._histogram_cls(name=f"vllm:kvfs_{key}", documentation=doc, labelnames=labelnames,
+                                buckets=list(BUCKETS)),
             per_engine_labelvalues) for key, (_, doc) in TIMINGS.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
