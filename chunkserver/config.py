@@ -40,6 +40,10 @@ class ChunkserverConfig:
                                         "once, over all connections; one client host holds at most a quarter "
                                         "of it (a request alone always proceeds); a request waits for room up "
                                         "to data_request_timeout, then is refused")
+    data_write_buffers: int = size_field(512 * MiB, "most bytes of buffers data-port writes hold at once while "
+                                         "their chunks arrive and are stored, over all connections; one client "
+                                         "host holds at most a quarter of it (a write alone always proceeds); a "
+                                         "write waits for room up to data_request_timeout, then is refused")
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")

@@ -1,10 +1,11 @@
-"""The bulk read path: kvfs/wire.py frames on the chunkserver's data port.
+"""The bulk data path: kvfs/wire.py frames on the chunkserver's data port.
 
 One thread per connection (socketserver), blocking sockets, requests served in
 the order they arrive (a client pipelines many and opens a few connections).
 Memory per connection is bounded: one request body (<= wire.MAX_BODY) and, in
 direct mode, the aligned buffers of one request (<= max_read_bytes), which wait
-for room among all connections' (ReadBuffers, data_read_buffers). Time and
+for room among all connections' (BufferBudget, data_read_buffers); a WRITE's
+aligned buffer (<= max_chunk_size) waits likewise under data_write_buffers. Time and
 slots are bounded too: a request must arrive whole within `data_request_timeout`
 of its first byte (a connection may idle IDLE_TIMEOUT between requests), a
 client that stops reading is cut off after SEND_TIMEOUT, and one client host
@@ -27,6 +28,14 @@ it nor a few such hosts together hold all of them.
                  completions. Local connections count against a per-user limit
                  (SO_PEERCRED) as remote ones count per host.
 
+Writes: a WRITE frame announces one chunk (id, length, checksum, owner record);
+its bytes follow. The owner record's seal and the size are checked before any
+byte of it is read (a refused WRITE is answered STATUS and its connection
+closed: its bytes are already on the way); then they are received straight
+into a page-aligned buffer that O_DIRECT writes from without another copy,
+checked against the writer's checksum, and stored by the same group commit as
+gRPC's WriteChunk. The receipt comes back in WRITE_REPLY.
+
 The server sends each range widened to whole 64 KiB blocks with their stored
 checksums, and the client verifies them before handing anything over: the
 server never touches the bytes it sends from the page cache.
@@ -35,6 +44,7 @@ server never touches the bytes it sends from the page cache.
 from __future__ import annotations
 
 import array
+import asyncio
 import concurrent.futures
 import fcntl
 import logging
@@ -52,12 +62,12 @@ from typing import TYPE_CHECKING
 from kvfs import tls, wire
 from kvfs.buffers import PAGE, address_of
 from kvfs.errors import KvfsError, PermissionDenied
-from kvfs.grants import require_read_grant
+from kvfs.grants import require_owner, require_read_grant, write_receipt
 
 from .store import ChunkStore, PlannedRead, short_id
 
 if TYPE_CHECKING:  # metrics.py imports this module
-    from .metrics import TransportReads
+    from .metrics import ChunkMetrics
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +84,13 @@ IDLE_TIMEOUT = 600.0
 TLS_READ = 1 << 20  # bytes read from the page cache at a time for a TLS connection (no sendfile through TLS)
 
 
-class ReadBuffers:
-    """The bytes of read buffers direct-mode requests hold, over all connections: a
-    request waits until its buffers fit under `total`, and under a quarter of it for
-    its peer (a host, or a local user), so clients that stop reading (holding a
-    request's buffers for up to SEND_TIMEOUT) cannot take them all. A request with
-    nothing else held beside it (by anyone, or by its peer) always fits."""
+class BufferBudget:
+    """The bytes of buffers data-port requests hold, over all connections (one
+    budget for direct-mode reads, one for writes): a request waits until its
+    buffers fit under `total`, and under a quarter of it for its peer (a host, or a
+    local user), so clients that stop reading (holding a request's buffers for up
+    to SEND_TIMEOUT) or send a write's bytes slowly cannot take them all. A request
+    with nothing else held beside it (by anyone, or by its peer) always fits."""
 
     def __init__(self, total: int):
         self.total = total
@@ -161,7 +172,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, fds:
     what is left before each receive). With `fds` (a local socket), descriptors
     that come with the bytes are appended to it."""
     buf = bytearray(n)
-    view = memoryview(buf)
+    _recv_into(sock, memoryview(buf), deadline, fds)
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None,
+               fds: list[int] | None = None) -> None:
+    """Fills `view` from the socket, as _recv_exact."""
+    n = len(view)
     got = 0
     while got < n:
         if deadline is not None:
@@ -184,7 +202,6 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None, fds:
         if k == 0:
             raise _Closed()
         got += k
-    return bytes(buf)
 
 
 def _close_all(fds: list[int]) -> None:
@@ -267,6 +284,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     _set_recv_timeout(self.sock, SEND_TIMEOUT if self.tls else IDLE_TIMEOUT)
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
+                    elif header.kind == wire.WRITE:
+                        self._write(header, arrived, wire.parse_write(header, body), deadline)
                     else:
                         self._read(header, arrived, *wire.parse_read(header, body))
                     _close_all(self.fds)  # descriptors sent with anything but SHM_REGISTER
@@ -313,6 +332,58 @@ class _Handler(socketserver.BaseRequestHandler):
             old.close()
         self.maps[header.flags] = shm
         self.sock.sendall(wire.encode_status(header.request_id, 0, ""))
+
+    # ---- writes ------------------------------------------------------------
+
+    def _refuse(self, request_id: int, code: int, message: str) -> None:
+        """Answers a WRITE whose bytes will not be read, and closes the connection:
+        they are on their way, and the stream cannot be kept in step without them."""
+        self.store.counters.rejected_requests += 1
+        log.warning("data port: write from %s refused: %s; closing", self.client_address, message)
+        self.sock.sendall(wire.encode_status(request_id, code, message))
+        raise _Closed()
+
+    def _write(self, header: wire.Header, arrived: float, req: wire.WriteRequest, deadline: float) -> None:
+        """Receives a WRITE's bytes into an aligned buffer and stores them (within the
+        request's deadline, as its header and body); answers WRITE_REPLY."""
+        store, key = self.store, self.server.cluster_key
+        if req.length > store.cfg.max_chunk_size:
+            self._refuse(header.request_id, 3, f"chunk {short_id(req.chunk_id)}: {req.length} bytes; this "
+                                               f"server stores chunks of at most {store.cfg.max_chunk_size}")
+        if key is not None:  # the data port knows no caller: with a key, every write needs its owner seal
+            try:
+                require_owner(key, req.owner, req.chunk_id)
+            except PermissionDenied as err:
+                self._refuse(header.request_id, err.code.value[0], err.message)
+        size = max(2 * PAGE, -(-req.length // PAGE) * PAGE)  # O_DIRECT writes whole pages from it
+        budget = self.server.write_buffers
+        if not budget.acquire(self.peer, size, deadline):
+            self._refuse(header.request_id, 8, f"no room among the write buffers (data_write_buffers: {budget.used} "
+                                               f"of {budget.total} bytes held) within the request deadline; retry")
+        code, message, created, receipt = 0, "", False, b""
+        try:
+            buf = store.get_buffer(size)
+            try:
+                try:
+                    _recv_into(self.sock, memoryview(buf)[: req.length], deadline)
+                except BlockingIOError:
+                    self._refuse(header.request_id, 4, f"chunk {short_id(req.chunk_id)}: its {req.length} bytes "
+                                                       f"did not arrive within the request deadline")
+                try:
+                    created = asyncio.run_coroutine_threadsafe(
+                        store.write(req.chunk_id, memoryview(buf)[: req.length], req.checksum, req.owner),
+                        self.server.loop).result()
+                    if key is not None:
+                        receipt = write_receipt(key, req.chunk_id, req.checksum, store.cfg.id)
+                except KvfsError as err:
+                    code, message = err.code.value[0], err.message
+                    log.warning("data port: write from %s: %s", self.client_address, message)
+            finally:
+                store.put_buffer(buf)
+        finally:
+            budget.release(self.peer, size)
+        self.sock.sendall(wire.encode_write_reply(header.request_id, code, message, created, receipt))
+        self.server.write_seconds["local" if self.local else "tcp"].observe(time.perf_counter() - arrived)
 
     # ---- reads -------------------------------------------------------------
 
@@ -385,7 +456,7 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def _send_direct(self, header, replies, served) -> int:
         """Reads the ranges through the store's reader, sends them; the bytes sent.
-        Their buffers wait for room among everyone's (ReadBuffers) first."""
+        Their buffers wait for room among everyone's (BufferBudget) first."""
         need = sum(self.store.buffer_bytes(p) for p, _, _ in served)
         budget = self.server.read_buffers
         if not budget.acquire(self.peer, need, time.monotonic() + self.server.request_timeout):
@@ -499,12 +570,16 @@ class DataServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], store: ChunkStore, reads: dict[str, TransportReads],
-                 request_timeout: float = 10.0, peer_connections: int = 64, cluster_key: bytes | None = None,
-                 tls_context: ssl.SSLContext | None = None):
+    def __init__(self, address: tuple[str, int], store: ChunkStore, metrics: ChunkMetrics,
+                 loop: asyncio.AbstractEventLoop, request_timeout: float = 10.0, peer_connections: int = 64,
+                 cluster_key: bytes | None = None, tls_context: ssl.SSLContext | None = None):
         self.store = store
+        self.loop = loop  # the store's: writes are stored through it
         self.tls = tls_context  # TCP connections speak mutual TLS; None: --insecure, plaintext
-        self.read_buffers = ReadBuffers(store.cfg.data_read_buffers)
+        self.read_buffers = BufferBudget(store.cfg.data_read_buffers)
+        self.write_buffers = BufferBudget(store.cfg.data_write_buffers)
+        self.write_seconds = metrics.write_seconds
+        reads = metrics.reads
         self.reads = reads  # by transport (metrics.TRANSPORTS)
         self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
@@ -602,8 +677,9 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, name: str, port: DataServer):
         self.port = port
         self.store, self.cluster_key, self.pool, self.reads = port.store, port.cluster_key, port.pool, port.reads
+        self.loop, self.write_seconds = port.loop, port.write_seconds
         self.tls = None  # the kernel vouches for a local peer; nothing on the local socket leaves the host
-        self.read_buffers = port.read_buffers
+        self.read_buffers, self.write_buffers = port.read_buffers, port.write_buffers
         self.request_timeout = port.request_timeout
         super().__init__(name, _Handler)
 
@@ -615,14 +691,14 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         super().shutdown_request(request)
 
 
-def start_data_server(listen: str, store: ChunkStore, reads: dict[str, TransportReads],
+def start_data_server(listen: str, store: ChunkStore, metrics: ChunkMetrics, loop: asyncio.AbstractEventLoop,
                       request_timeout: float = 10.0, peer_connections: int = 64,
                       cluster_key: bytes | None = None, credentials: tls.Credentials | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store, reads, request_timeout, peer_connections, cluster_key,
+    server = DataServer((host, int(port)), store, metrics, loop, request_timeout, peer_connections, cluster_key,
                         credentials.ssl_context(server=True) if credentials is not None else None)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
-    log.info("data port serving on %s (%s reads; TCP %s)", server.address,
+    log.info("data port serving on %s (%s reads, writes; TCP %s)", server.address,
              "sendfile" if store.io_mode == "buffered" else "io_uring",
              "over mutual TLS" if credentials is not None else "in PLAINTEXT (--insecure)")
     return server

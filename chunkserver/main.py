@@ -35,7 +35,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     registry = CollectorRegistry()
     metrics = ChunkMetrics(registry)
     host = cfg.listen.rsplit(":", 1)[0]
-    data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics.reads, cfg.data_request_timeout,
+    data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics, asyncio.get_running_loop(),
+                              cfg.data_request_timeout,
                               cfg.data_peer_connections, key, creds) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))

@@ -72,7 +72,7 @@ class TransportReads:
 
 
 class ChunkMetrics:
-    """The per-request metrics: reads by transport, WriteChunk seconds."""
+    """The per-request metrics: reads and writes by transport."""
 
     def __init__(self, registry: CollectorRegistry):
         nbytes = Counter("kvfs_chunk_read_bytes", "bytes served to reads (whole 64 KiB checksum blocks on the data "
@@ -81,9 +81,11 @@ class ChunkMetrics:
                             "transport (refused requests included)", ["transport"], buckets=SECONDS_BUCKETS,
                             registry=registry)
         self.reads = {t: TransportReads(nbytes, seconds, t) for t in TRANSPORTS}
-        self.write_seconds = Histogram("kvfs_chunk_write_seconds", "time to answer a WriteChunk call, from its "
-                                       "first message to the chunk durable (failed calls included)",
-                                       buckets=SECONDS_BUCKETS, registry=registry)
+        written = Histogram("kvfs_chunk_write_seconds", "time to answer a chunk write (gRPC WriteChunk, or a "
+                            "data-port WRITE over tcp or the local socket), from its first message to the chunk "
+                            "durable, by transport (failed writes included)", ["transport"],
+                            buckets=SECONDS_BUCKETS, registry=registry)
+        self.write_seconds = {t: written.labels(t) for t in ("grpc", "tcp", "local")}
 
 
 class StoreCollector(Collector):

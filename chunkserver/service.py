@@ -9,8 +9,8 @@ import grpc
 
 from kvfs import tls
 from kvfs.auth import caller_of
-from kvfs.errors import DataLoss, InvalidArgument, KvfsError, PermissionDenied, from_code, from_rpc_error
-from kvfs.grants import granted, owner_sealed, parse_owner, require_read_grant
+from kvfs.errors import DataLoss, InvalidArgument, KvfsError, from_code, from_rpc_error
+from kvfs.grants import granted, require_owner, require_read_grant, write_receipt
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS, abort, handles_errors
 
@@ -27,7 +27,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                  creds: tls.Credentials | None = None, cluster_key: bytes | None = None):
         self.store = store
         self.reads = metrics.reads["grpc"]
-        self.write_seconds = metrics.write_seconds
+        self.write_seconds = metrics.write_seconds["grpc"]
         self.creds = creds  # presented to CopyChunk sources
         self.cluster_key = cluster_key  # checks write grants, seals receipts; None: --insecure, neither
         self.data_address = data_address
@@ -74,7 +74,7 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one message: no copy
         created = await self.store.write(header.chunk_id, data, header.checksum, header.owner)
         # what the writer shows the metaserver at commit: this server stored these bytes
-        receipt = (tls.seal(self.cluster_key, tls.RECEIPT, header.chunk_id, header.checksum, self.store.cfg.id)
+        receipt = (write_receipt(self.cluster_key, header.chunk_id, header.checksum, self.store.cfg.id)
                    if self.cluster_key else b"")
         return chunk_pb2.WriteChunkReply(created=created, receipt=receipt)
 
@@ -102,13 +102,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
     def _check_grant(self, header: chunk_pb2.ChunkHeader, context) -> None:
         """A worker writes a chunk only under the owner record the metaserver sealed
         for its id at allocation (kvfs.grants), checked before any of its bytes are read."""
-        if not self._asks_grants(context):
-            return
-        owner = parse_owner(header.owner)
-        if owner is None or not owner_sealed(self.cluster_key, owner, header.chunk_id):
-            raise PermissionDenied(f"chunk {short_id(header.chunk_id)}: no owner record sealed by the metaserver "
-                                   f"for this chunk id; chunks are written as AllocateBlocks placed them, each "
-                                   f"with its placement's owner_seal")
+        if self._asks_grants(context):
+            require_owner(self.cluster_key, header.owner, header.chunk_id)
 
     async def ReadChunks(self, request, context):
         arrived = time.perf_counter()

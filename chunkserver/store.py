@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-from kvfs.buffers import PAGE, aligned_bytearray
+from kvfs.buffers import PAGE, AlignedBuffers, address_of
 from kvfs.checksum import BLOCK, block_checksum, block_checksums, checksum_of_blocks
 from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
@@ -191,28 +191,14 @@ def run_to_completion(awaitable):
     return asyncio.shield(task)
 
 
-class _AlignedBuffers:
-    """Reused page-aligned buffers, by size, for reads and O_DIRECT writes."""
-
-    def __init__(self, max_bytes: int):
-        self._free: dict[int, list[bytearray]] = collections.defaultdict(list)
-        self._bytes = 0
-        self._max = max_bytes
-        self._lock = threading.Lock()
-
-    def get(self, n: int) -> bytearray:
-        with self._lock:
-            free = self._free.get(n)
-            if free:
-                self._bytes -= n
-                return free.pop()
-        return aligned_bytearray(n)
-
-    def put(self, buf: bytearray) -> None:
-        with self._lock:
-            if self._bytes + len(buf) <= self._max:
-                self._free[len(buf)].append(buf)
-                self._bytes += len(buf)
+def _page_aligned_whole(view: memoryview, padded: int) -> memoryview | None:
+    """`view` grown to `padded` bytes if it starts a page-aligned bytearray that long
+    or longer (the data port's receive buffers), else None."""
+    buf = view.obj
+    if not isinstance(buf, bytearray) or len(buf) < padded or address_of(buf) % PAGE:
+        return None
+    whole = memoryview(buf)
+    return whole[:padded] if address_of(whole) == address_of(view) else None
 
 
 class ChunkStore:
@@ -241,7 +227,7 @@ class ChunkStore:
         self.reader = open_reader(cfg.io_engine, cfg.uring_entries)
         self._committer = _GroupCommitter(self._db)
         self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io")
-        self._pool = _AlignedBuffers(256 * MiB)
+        self._pool = AlignedBuffers(256 * MiB)
         self._writing: dict[bytes, asyncio.Future] = {}
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()
@@ -345,9 +331,14 @@ class ChunkStore:
             if self.io_mode == "direct":
                 # O_DIRECT wants an aligned source and whole pages; the slot has room
                 # for the padding. Here it writes ~4x faster than buffered + fdatasync.
-                staging = self._pool.get(max(2 * PAGE, -(-len(view) // PAGE) * PAGE))
-                staging[: len(view)] = view
-                view = memoryview(staging)
+                padded = max(2 * PAGE, -(-len(view) // PAGE) * PAGE)
+                whole = _page_aligned_whole(view, padded)
+                if whole is not None:  # received into one of our aligned buffers (the data port): no copy
+                    view = whole
+                else:
+                    staging = self._pool.get(padded)
+                    staging[: len(view)] = view
+                    view = memoryview(staging)
             fd, pos = self.slots.fds(ref).fd_io, 0
             while pos < len(view):
                 pos += os.pwrite(fd, view[pos:], ref.offset + pos)

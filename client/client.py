@@ -4,6 +4,7 @@ write back KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -12,8 +13,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvfs import tls
-from kvfs.buffers import byte_view
-from kvfs.errors import InvalidArgument, KvfsError, from_rpc_error
+from kvfs.buffers import PAGE, AlignedBuffers, byte_view
+from kvfs.config import MiB
+from kvfs.errors import InvalidArgument, KvfsError, Unavailable, from_rpc_error
 from kvfs.grants import owner_record
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
@@ -25,9 +27,13 @@ from .config import resolve_credentials
 from .metrics import ClientMetrics
 from .hedge import HedgeBudget, ServerLatency
 from .restore import Restore, RestoreStats
-from .transport import GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
+from .transport import DataWriter, GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
+
+log = logging.getLogger(__name__)
+
+GRPC_WRITES_AFTER_FAILURE = 30.0  # seconds a server's chunk writes take gRPC after its data port failed one
 
 
 def _ns(namespace: Namespace) -> meta_pb2.Namespace:
@@ -97,7 +103,11 @@ class Client:
     `transport` picks how restore bytes travel: "auto" (default) uses a
     chunkserver's data port, through shared memory when the server is on this
     host and TCP otherwise, and gRPC for servers without a data port; "tcp",
-    "shm" and "grpc" force one. Writes and metadata always go over gRPC.
+    "shm" and "grpc" force one. Chunk writes take the data port too (WRITE
+    frames on `write_connections` connections per server of their own: the
+    local socket for a server on this host, TCP otherwise; TCP only with
+    "tcp"), and gRPC WriteChunk with "grpc", for a server without a data port,
+    or when its data connection fails (logged). Metadata is always gRPC.
 
     `hedge` (default on): a batch of chunk reads still out after its server's
     measured p95 is also requested from another replica, the first good answer
@@ -119,7 +129,7 @@ class Client:
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
                  hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False,
-                 metrics: ClientMetrics | None = None):
+                 metrics: ClientMetrics | None = None, write_connections: int = 4):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.credentials = resolve_credentials(credentials, insecure)
@@ -132,6 +142,9 @@ class Client:
             "tcp": TcpTransport(data_connections, data_tls),
             "shm": ShmTransport(data_connections, data_tls),
         }
+        self._writer = DataWriter(write_connections, data_tls, local=transport != "tcp")
+        self._chunk_buffers = AlignedBuffers(write_concurrency * 4 * MiB)  # chunks being written
+        self._grpc_writes: dict[str, float] = {}  # data port -> until when (monotonic) writes to it take gRPC
         self.block_tokens = block_tokens
         self.per_server_reads = per_server_reads
         self.read_batch = read_batch
@@ -146,7 +159,7 @@ class Client:
         self.hedges = HedgeBudget(hedge_budget)
 
     async def close(self) -> None:
-        for t in self._transports.values():
+        for t in [*self._transports.values(), self._writer]:
             await t.close()
         for c in self._chunk_clients.values():
             await c.close()
@@ -282,19 +295,14 @@ class Client:
         for i, block in enumerate(alloc.blocks):
             if block.already_present:
                 continue
-            b = first_block + i
             entry = commit.blocks.add(key=block.key)
-            for placement in block.chunks:
+            entry.chunk_checksums.extend([0] * len(block.chunks))  # each job sets its own
+            for index, placement in enumerate(block.chunks):
                 span = layout.span_of(placement.offset, placement.length)
-                chunk = bytearray(span.length)
-                for s, d, n in layout.scatter(span, b, tokens):
-                    chunk[s : s + n] = src[d : d + n]
-                xxh = chunk_checksum(chunk)
-                entry.chunk_checksums.append(xxh)
-                owner = owner_record(namespace.digest, block.key, len(entry.chunk_checksums) - 1, len(block.chunks),
-                                     _layout_msg(layout), alloc.chunk_size, placement.owner_seal, ttl_class)
-                for address in placement.addresses:
-                    jobs.append(self._write_chunk(limit, address, placement.chunk_id, chunk, owner, xxh, entry))
+                owner = owner_record(namespace.digest, block.key, index, len(block.chunks), _layout_msg(layout),
+                                     alloc.chunk_size, placement.owner_seal, ttl_class)
+                pieces = layout.scatter(span, first_block + i, tokens)
+                jobs.append(self._write_chunk(limit, placement, span.length, pieces, src, owner, entry, index))
                 written += span.length
         if not commit.blocks:  # another writer committed all of them since our lookup
             return WriteResult(0, len(alloc.blocks), 0, time.perf_counter() - t0)
@@ -310,11 +318,42 @@ class Client:
         already = sum(b.already_present for b in alloc.blocks) + reply.already_present
         return WriteResult(reply.committed, already, written, time.perf_counter() - t0)
 
-    async def _write_chunk(self, limit, address, chunk_id, data, owner, xxh, entry) -> None:
+    async def _write_chunk(self, limit, placement, length: int, pieces, src, owner: bytes, entry, index: int) -> None:
+        """Gathers one chunk out of the payload when its turn comes (at most
+        write_concurrency at once, in reused buffers), checksums it once and
+        writes it to every replica in parallel; its checksum and receipts go
+        into the commit entry."""
         async with limit:
-            reply = await self.chunkserver(address).store(chunk_id, data, owner, xxh, timeout=self.timeout)
-        if reply.receipt:  # none from an --insecure chunkserver
-            entry.receipts.append(reply.receipt)
+            buf = self._chunk_buffers.get(-(-length // PAGE) * PAGE)
+            view = memoryview(buf)[:length]
+            for s, d, n in pieces:
+                view[s : s + n] = src[d : d + n]
+            xxh = entry.chunk_checksums[index] = chunk_checksum(view)
+            data_addresses = list(placement.data_addresses) or [""] * len(placement.addresses)
+            copies = await asyncio.gather(*(self._store_chunk(address, data_address, placement.chunk_id, view, owner,
+                                                              xxh)
+                                            for address, data_address in zip(placement.addresses, data_addresses)),
+                                          return_exceptions=True)
+            # every copy has finished with the bytes (gather waited for all): the buffer can go back
+            self._chunk_buffers.put(buf)
+        for copy in copies:
+            if isinstance(copy, BaseException):
+                raise copy
+            if copy:  # none from an --insecure chunkserver
+                entry.receipts.append(copy)
+
+    async def _store_chunk(self, address, data_address, chunk_id, data, owner, xxh) -> bytes:
+        """One copy of a chunk, over the server's data port when it has one, else
+        (or when that connection fails) over gRPC; its receipt."""
+        if data_address and self.transport != "grpc" and self._grpc_writes.get(data_address, 0) < time.monotonic():
+            try:
+                return (await self._writer.write(data_address, chunk_id, data, xxh, owner, self.timeout))[1]
+            except Unavailable as err:
+                if self._grpc_writes.get(data_address, 0) < time.monotonic():
+                    log.warning("chunk writes to %s go over gRPC for %.0f s: its data port failed a write (%s)",
+                                address, GRPC_WRITES_AFTER_FAILURE, err.message)
+                self._grpc_writes[data_address] = time.monotonic() + GRPC_WRITES_AFTER_FAILURE
+        return (await self.chunkserver(address).store(chunk_id, data, owner, xxh, timeout=self.timeout)).receipt
 
     async def status(self) -> meta_pb2.StatusReply:
         """Servers, liveness, capacity, blocks and bytes, as the metaserver sees them."""

@@ -16,6 +16,10 @@ One small interface, three implementations:
                  staging, copied out), verifies the bytes there, and the socket
                  carries only requests and completions.
 
+Writes go over the data port too (DataWriter): WRITE frames on connections of
+their own, the local socket for a server on this host, gRPC WriteChunk when a
+server has no data port or its connection fails.
+
 Every transport checks, per range, that the chunk's block checksums the
 server sent hash to the checksum the metaserver committed for the chunk
 (kvfs/checksum.py): a chunk rewritten behind the metaserver's back, with other
@@ -42,7 +46,7 @@ from typing import Protocol
 from kvfs import wire
 from kvfs.buffers import address_of, memmove, sealed_memfd
 from kvfs.checksum import blocks_covering, checksum_of_blocks
-from kvfs.errors import Aborted, DataLoss, KvfsError, Unavailable, from_code
+from kvfs.errors import Aborted, DataLoss, DeadlineExceeded, KvfsError, Unavailable, from_code
 
 from .chunks import ChunkClient
 from .hedge import Fence
@@ -289,6 +293,12 @@ class _Pending:
     zero_copy: bool = False  # the server wrote straight into `out`
 
 
+@dataclass(slots=True)
+class _PendingWrite:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future  # ends in (created, receipt), or the KvfsError that stopped it
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -319,12 +329,13 @@ class _Connection:
     """One data-port connection: requests sent from the event loop, replies
     drained by a thread that places the bytes and then completes futures."""
 
-    def __init__(self, address: str, shm_regions: int = 0, arena=None, tls: ssl.SSLContext | None = None):
+    def __init__(self, address: str, shm_regions: int = 0, arena=None, tls: ssl.SSLContext | None = None,
+                 local: bool = False):
         self.address = address
-        self.sock = _connect(address, bool(shm_regions), tls)
+        self.sock = _connect(address, local or bool(shm_regions), tls)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, _Pending | _PendingWrite] = {}
         self.ids = itertools.count(1)
         self.lock = threading.Lock()  # guards pending; never held across I/O
         self.send_lock = threading.Lock()
@@ -412,6 +423,26 @@ class _Connection:
             self._fail(Unavailable(f"data connection to {self.address} lost: {err}"))
         return future
 
+    def expect_write(self, loop) -> tuple[int, asyncio.Future]:
+        """A request id and the future its WRITE_REPLY ends (on the event loop)."""
+        rid, future = next(self.ids), loop.create_future()
+        with self.lock:
+            if self.dead is not None:
+                future.set_result(self.dead)
+            else:
+                self.pending[rid] = _PendingWrite(loop, future)
+        return rid, future
+
+    def send_write(self, rid: int, chunk_id: bytes, data: memoryview, checksum: int, owner: bytes) -> None:
+        """Sends a WRITE and the chunk's bytes back to back. It blocks until the socket
+        has taken them: call it off the event loop."""
+        try:
+            with self.send_lock:
+                self.sock.sendall(wire.encode_write(rid, chunk_id, len(data), checksum, owner))
+                self.sock.sendall(data)
+        except OSError as err:
+            self._fail(Unavailable(f"data connection to {self.address} lost: {err}"))
+
     def close(self) -> None:
         self._fail(Unavailable(f"data connection to {self.address} closed"))
         try:
@@ -434,17 +465,20 @@ class _Connection:
         for p in pending.values():
             self._abandon(p, err)
 
-    def _abandon(self, p: _Pending, err: KvfsError) -> None:
+    def _abandon(self, p: _Pending | _PendingWrite, err: KvfsError) -> None:
         """Fails every range of `p`, releasing ranges it claimed to other readers."""
+        if isinstance(p, _PendingWrite):
+            self._complete(p, err)
+            return
         for spec in p.specs:
             spec.release(p)
         self._complete(p, [err] * len(p.specs))
 
     @staticmethod
-    def _complete(p: _Pending, errors: list) -> None:
+    def _complete(p: _Pending | _PendingWrite, result) -> None:
         def done():
             if not p.future.done():
-                p.future.set_result(errors)
+                p.future.set_result(result)
 
         p.loop.call_soon_threadsafe(done)
 
@@ -468,7 +502,17 @@ class _Connection:
                     raise ConnectionError(f"unexpected reply {h.request_id}: {message or 'unknown request'}")
                 if h.kind == wire.STATUS:
                     code, message = wire.parse_status(h, body)
-                    self._complete(p, [from_code(code, f"{message} (from {self.address})")] * len(p.specs))
+                    err = from_code(code, f"{message} (from {self.address})")
+                    self._complete(p, err if isinstance(p, _PendingWrite) else [err] * len(p.specs))
+                    continue
+                if isinstance(p, _PendingWrite) or h.kind == wire.WRITE_REPLY:
+                    if not isinstance(p, _PendingWrite) or h.kind != wire.WRITE_REPLY:
+                        self._abandon(p, Unavailable(f"{self.address} answered request {h.request_id} "
+                                                     f"with the wrong kind of reply"))
+                        raise wire.WireError(f"reply kind {h.kind} to request {h.request_id}")
+                    code, message, created, receipt = wire.parse_write_reply(h, body)
+                    self._complete(p, from_code(code, f"{message} (from {self.address})") if code
+                                   else (created, receipt))
                     continue
                 try:
                     results = wire.parse_read_reply(h, body)
@@ -569,7 +613,7 @@ class TcpTransport:
                 try:
                     conn = await asyncio.get_running_loop().run_in_executor(
                         None, _Connection, address, self.shm_regions,
-                        current_arena() if self.shm_regions else None, self.tls)
+                        current_arena() if self.shm_regions else None, self.tls, self._local(address))
                 except (OSError, KvfsError) as err:
                     if not conns:
                         raise Unavailable(f"cannot open a data connection to {address}: {err}") from None
@@ -581,6 +625,10 @@ class TcpTransport:
                             queue.put_nowait(r)
                         self._regions[id(conn)] = queue
             return min(conns, key=lambda c: c.load)
+
+    def _local(self, address: str) -> bool:
+        """Whether connections to `address` go to its local socket (shared memory needs it)."""
+        return bool(self.shm_regions)
 
     async def read(self, server, specs, out):
         try:
@@ -634,3 +682,40 @@ class ShmTransport(TcpTransport):
             return await conn.submit(specs, out, asyncio.get_running_loop(), region)
         finally:
             regions.put_nowait(region)
+
+
+class DataWriter(TcpTransport):
+    """Chunk writes over the data port (wire.WRITE): `connections` per server of
+    their own, so a write's megabytes never sit between a restore's request and
+    the server on one socket; a server on this host through its local socket
+    (`local`), the others over TCP (mutual TLS with `tls`)."""
+
+    name = "data port"
+
+    def __init__(self, connections: int = 4, tls: ssl.SSLContext | None = None, local: bool = True):
+        super().__init__(connections, tls)
+        self.use_local = local
+
+    def _local(self, address: str) -> bool:
+        return self.use_local and is_local(address)
+
+    async def write(self, address: str, chunk_id: bytes, data, checksum: int, owner: bytes = b"",
+                    timeout: float = 60) -> tuple[bool, bytes]:
+        """Stores one chunk on the server whose data port is `address`: (created,
+        receipt). Unavailable when the port cannot be reached or the connection
+        fails (the caller may write over gRPC instead); the server's own refusals
+        come back as their kvfs.errors types."""
+        conn = await self._connection(address)
+        loop = asyncio.get_running_loop()
+        rid, future = conn.expect_write(loop)
+        if not future.done():
+            await loop.run_in_executor(None, conn.send_write, rid, chunk_id, memoryview(data).cast("B"), checksum,
+                                       owner)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"write of chunk {chunk_id.hex()[:16]} to {address}: no answer within "
+                                   f"{timeout:.0f} s") from None
+        if isinstance(result, KvfsError):
+            raise result
+        return result

@@ -72,6 +72,9 @@ DATA_PORT_RULES: dict[int, tuple[str, str]] = {
                         "on the local socket: a local process; either way with a read grant for the namespace "
                         "each chunk's owner record names"),
     wire.READ_SHM: ("READ_SHM", "as READ, from a local process; into buffers it registered"),
+    wire.WRITE: ("WRITE", "over TCP: a caller with a certificate of the cluster's CA; on the local socket: a local "
+                          "process; either way with the owner record the metaserver sealed for the chunk id at "
+                          "allocation, checked (with the announced size) before any of the chunk's bytes are read"),
     wire.SHM_REGISTER: ("SHM_REGISTER", "a local process on the port's local socket, for a memory file it passes "
                                         "by descriptor, sealed against shrinking; never by name, never over TCP"),
 }

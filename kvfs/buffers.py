@@ -7,9 +7,11 @@ moving its start pointer (no copy), so over-allocate and trim to the boundary.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import os
+import threading
 
 PAGE = 4096
 # what a memory file shared with a chunkserver must be sealed with: it can then
@@ -73,3 +75,29 @@ def byte_view(buf, writable: bool = True) -> memoryview:
     if writable and view.readonly:
         raise ValueError("the destination buffer is read-only")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class AlignedBuffers:
+    """Reused page-aligned buffers, by size, up to `max_bytes` kept: a fresh one
+    costs its page faults and zeroing every time (a chunkserver's reads and
+    O_DIRECT writes, a writer's chunks)."""
+
+    def __init__(self, max_bytes: int):
+        self._free: dict[int, list[bytearray]] = collections.defaultdict(list)
+        self._bytes = 0
+        self._max = max_bytes
+        self._lock = threading.Lock()
+
+    def get(self, n: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(n)
+            if free:
+                self._bytes -= n
+                return free.pop()
+        return aligned_bytearray(n)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            if self._bytes + len(buf) <= self._max:
+                self._free[len(buf)].append(buf)
+                self._bytes += len(buf)

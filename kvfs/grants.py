@@ -46,6 +46,22 @@ def owner_sealed(key: bytes, owner: meta_pb2.ChunkOwner, chunk_id: bytes) -> boo
                                                       owner.chunk_size, chunk_id))
 
 
+def require_owner(key: bytes, raw: bytes, chunk_id: bytes) -> None:
+    """PERMISSION_DENIED unless `raw` is an owner record the metaserver sealed for
+    `chunk_id`: what a worker's write of a chunk must carry (both transports)."""
+    owner = parse_owner(raw)
+    if owner is None or not owner_sealed(key, owner, chunk_id):
+        raise PermissionDenied(f"chunk 0x{chunk_id.hex()[:16]}: no owner record sealed by the metaserver for this "
+                               f"chunk id; chunks are written as AllocateBlocks placed them, each with its "
+                               f"placement's owner_seal")
+
+
+def write_receipt(key: bytes, chunk_id: bytes, checksum: int, server_id: str) -> bytes:
+    """What a chunkserver hands the writer of a chunk it stored, for CommitBlocks:
+    the metaserver commits a block only with one from every server it placed it on."""
+    return tls.seal(key, tls.RECEIPT, chunk_id, checksum, server_id)
+
+
 def owner_record(namespace_digest: bytes, block_key: bytes, index: int, count: int, layout: meta_pb2.BlockLayout,
                  chunk_size: int, seal: bytes, ttl_class: str = "") -> bytes:
     """A chunk's owner record as its writer sends it with the chunk: chunk `index`

@@ -10,6 +10,14 @@ Requests (client -> server):
                 ranges: id_len u8, chunk id, offset u64, length u64 (0: to the end)
   READ_SHM      as READ, each range (length > 0) followed by mapping u8, n u16 and n
                 pieces (offset u64 in the mapping, length u32) that its bytes fill in order
+  WRITE         one chunk, count 1: id_len u8, chunk id, length u64, checksum u64
+                (kvfs/checksum.py, computed once by the writer for every replica),
+                owner_len u16, owner record (the ChunkOwner the metaserver sealed
+                at allocation, kvfs/grants.py; empty for an --insecure server);
+                the chunk's `length` bytes follow the body (they are not in body
+                length), sent only once the server cannot refuse them unseen: a
+                writer sends the frame and its bytes back to back, and the server
+                checks the owner record and the size before it reads any of them
   SHM_REGISTER  size u64: map the memory file sent with this request as mapping `flags`
                 (0: the connection's staging buffer, 1: the client's buffer arena).
                 Only on the chunkserver's local socket (`local_socket_name`), the
@@ -22,8 +30,13 @@ Replies (server -> client), same request id:
                 block of the chunk (they hash to its committed checksum,
                 kvfs/checksum.py); for READ, the data of every OK range follows the
                 body, in order; for READ_SHM it is in the shared buffer
+  WRITE_REPLY   count 1: code u16, msg_len u16, message, created u8 (0: an identical
+                chunk was there), receipt_len u8, receipt (what CommitBlocks shows
+                the metaserver; empty from an --insecure server)
   STATUS        code u16, msg_len u16, message (SHM_REGISTER's answer, or why a
-                malformed request closed the connection)
+                malformed or refused request closed the connection: a WRITE
+                whose bytes the server will not read is answered so and the
+                connection closed, since those bytes are already on their way)
 
 The data of a range is widened to whole 64 KiB checksum blocks (clamped to the
 chunk's end): [data start, data start + data length) covers the requested
@@ -48,12 +61,14 @@ from kvfs.checksum import BLOCK, blocks_covering
 
 MAGIC = b"KVFS"
 VERSION = 4  # 2: replies carry every block checksum of the chunk; 3: reads carry a read grant;
-# 4: shared memory registered by descriptor on the local socket, not by path
+# 4: shared memory registered by descriptor on the local socket, not by path. WRITE and
+# WRITE_REPLY were added within 4: a server without them answers STATUS and closes
 HEADER = struct.Struct("<4sBBHQII")
 
-READ, READ_SHM, SHM_REGISTER = 1, 2, 3
-READ_REPLY, STATUS = 0x81, 0x83
-REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER)
+READ, READ_SHM, SHM_REGISTER, WRITE = 1, 2, 3, 4
+READ_REPLY, WRITE_REPLY, STATUS = 0x81, 0x82, 0x83
+REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER, WRITE)
+REPLY_KINDS = (READ_REPLY, WRITE_REPLY, STATUS)
 
 MAX_ID = 64
 MAX_GRANT = 64
@@ -62,12 +77,16 @@ MAX_PIECES = 1024  # per READ_SHM range
 MAX_MAPPINGS = 2
 MAX_BODY = 4 << 20  # the largest request body a server reads
 MAX_MESSAGE = 1024
+MAX_OWNER = 1024  # a sealed ChunkOwner is ~120 bytes
+MAX_CHUNK = 64 << 20  # the most bytes a WRITE may announce (a server may accept fewer: max_chunk_size)
 
 _RANGE = struct.Struct("<QQ")
 _SHM_RANGE = struct.Struct("<QQBH")
 _PIECE = struct.Struct("<QI")
 _RESULT = struct.Struct("<HH")
 _DATA = struct.Struct("<QQQI")
+_WRITE = struct.Struct("<QQH")  # length, checksum, owner length
+_WRITTEN = struct.Struct("<BB")  # created, receipt length
 # the largest legal reply body: every range with a full message and a 64 MiB chunk's checksums
 MAX_REPLY_BODY = MAX_RANGES * (_RESULT.size + MAX_MESSAGE + _DATA.size + 8 * ((64 << 20) // BLOCK))
 
@@ -132,7 +151,7 @@ def parse_header(raw: bytes | memoryview, requests: bool = True) -> Header:
             raise WireError(f"{count} ranges in one request; at most {MAX_RANGES}")
         if body_len > MAX_BODY:
             raise WireError(f"request body of {body_len} bytes; at most {MAX_BODY}")
-    elif kind not in (READ_REPLY, STATUS) or count > MAX_RANGES or body_len > MAX_REPLY_BODY:
+    elif kind not in REPLY_KINDS or count > MAX_RANGES or body_len > MAX_REPLY_BODY:
         raise WireError(f"malformed reply header (kind {kind}, {count} ranges, {body_len} bytes)")
     return Header(kind, flags, request_id, count, body_len)
 
@@ -192,6 +211,62 @@ def parse_read(header: Header, body: bytes | memoryview) -> tuple[bytes, list[Ra
     if pos != len(body):
         raise WireError(f"{len(body) - pos} stray bytes after {header.count} ranges")
     return grant, out
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRequest:
+    chunk_id: bytes
+    length: int  # the bytes that follow the body
+    checksum: int
+    owner: bytes
+
+
+def encode_write(request_id: int, chunk_id: bytes, length: int, checksum: int, owner: bytes = b"") -> bytes:
+    """A WRITE frame; the chunk's `length` bytes are sent right after it."""
+    body = bytes([len(chunk_id)]) + chunk_id + _WRITE.pack(length, checksum, len(owner)) + owner
+    return encode_header(WRITE, request_id, 1, len(body)) + body
+
+
+def parse_write(header: Header, body: bytes | memoryview) -> WriteRequest:
+    """What a WRITE announces; WireError if it is malformed or out of bounds."""
+    if len(body) != header.body_len:
+        raise WireError(f"truncated body: {len(body)} of {header.body_len} bytes")
+    if header.count != 1:
+        raise WireError(f"a WRITE carries one chunk, not {header.count}")
+    n = body[0] if body else 0
+    if not 0 < n <= MAX_ID or 1 + n + _WRITE.size > len(body):
+        raise WireError(f"a WRITE body starts with a chunk id of 1..{MAX_ID} bytes and its length, checksum "
+                        f"and owner record length")
+    chunk_id = bytes(body[1 : 1 + n])
+    length, checksum, owner_len = _WRITE.unpack_from(body, 1 + n)
+    if not 0 < length <= MAX_CHUNK:
+        raise WireError(f"a WRITE announces {length} bytes; a chunk has 1..{MAX_CHUNK}")
+    if owner_len > MAX_OWNER or 1 + n + _WRITE.size + owner_len != len(body):
+        raise WireError(f"a WRITE's owner record is {owner_len} bytes in a {len(body)}-byte body (at most "
+                        f"{MAX_OWNER}, and nothing after it)")
+    return WriteRequest(chunk_id, length, checksum, bytes(body[1 + n + _WRITE.size :]))
+
+
+def encode_write_reply(request_id: int, code: int, message: str = "", created: bool = False,
+                       receipt: bytes = b"") -> bytes:
+    msg = message.encode()[:MAX_MESSAGE]
+    body = _RESULT.pack(code, len(msg)) + msg + _WRITTEN.pack(created, len(receipt)) + receipt
+    return encode_header(WRITE_REPLY, request_id, 1, len(body)) + body
+
+
+def parse_write_reply(header: Header, body: bytes | memoryview) -> tuple[int, str, bool, bytes]:
+    """(code, message, created, receipt) of a WRITE_REPLY."""
+    if len(body) != header.body_len or len(body) < _RESULT.size:
+        raise WireError("malformed WRITE_REPLY body")
+    code, n = _RESULT.unpack_from(body)
+    at = _RESULT.size + n
+    if at + _WRITTEN.size > len(body):
+        raise WireError("WRITE_REPLY ends inside its message")
+    created, k = _WRITTEN.unpack_from(body, at)
+    if at + _WRITTEN.size + k != len(body):
+        raise WireError("WRITE_REPLY's receipt does not fill its body")
+    return code, bytes(body[_RESULT.size : at]).decode(errors="replace"), bool(created), \
+        bytes(body[at + _WRITTEN.size :])
 
 
 def encode_shm_register(request_id: int, size: int, mapping: int = 0) -> bytes:

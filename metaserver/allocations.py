@@ -287,7 +287,8 @@ class Allocations:
                 seal = (owner_seal(self.key, namespace_digest + key, index, len(spans), layout_msg,
                                    self.cfg.chunk_size, cid) if self.key else b"")
                 block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
-                                 addresses=[live[s].record.address for s in chain], owner_seal=seal)
+                                 addresses=[live[s].record.address for s in chain],
+                                 data_addresses=[live[s].record.data_address for s in chain], owner_seal=seal)
                 record.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain)
                 for s in chain:
                     live[s].pending_bytes += span.length

@@ -183,6 +183,19 @@ def local_read_grant(namespace_digest: bytes, ttl: float = 600, tenant: str = "t
     return read_grant(key, namespace_digest, tenant, time.time() + ttl)
 
 
+def local_owner(chunk_id: bytes, namespace_digest: bytes, block_key: bytes = b"k" * 16) -> bytes:
+    """A chunk's owner record sealed with the tests' local CA's cluster key, as the
+    metaserver seals it at allocation: for raw data-port writes to servers without one."""
+    from kvfs.grants import owner_record, owner_seal
+    from kvfs.proto import meta_pb2
+    from kvfs.tls import LocalCA, load_cluster_key
+
+    key = load_cluster_key(LocalCA(os.environ["KVFS_LOCAL_CA"]).key_path)
+    layout = meta_pb2.BlockLayout(layers=1, block_tokens=64, kv_dim=576, dtype="bfloat16")
+    seal = owner_seal(key, namespace_digest + block_key, 0, 1, layout, 1 << 20, chunk_id)
+    return owner_record(namespace_digest, block_key, 0, 1, layout, 1 << 20, seal)
+
+
 def dashboard_queries(path) -> list[tuple[str, str]]:
     """(panel title, PromQL expression) of every target of a Grafana dashboard JSON,
     rows' panels included."""

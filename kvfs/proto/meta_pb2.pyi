@@ -111,20 +111,22 @@ class AllocateBlocksRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class ChunkPlacement(_message.Message):
-    __slots__ = ("chunk_id", "offset", "length", "servers", "addresses", "owner_seal")
+    __slots__ = ("chunk_id", "offset", "length", "servers", "addresses", "owner_seal", "data_addresses")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     OWNER_SEAL_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     chunk_id: bytes
     offset: int
     length: int
     servers: _containers.RepeatedScalarFieldContainer[str]
     addresses: _containers.RepeatedScalarFieldContainer[str]
     owner_seal: bytes
-    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., owner_seal: _Optional[bytes] = ...) -> None: ...
+    data_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ..., owner_seal: _Optional[bytes] = ..., data_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockAllocation(_message.Message):
     __slots__ = ("key", "already_present", "chunks")

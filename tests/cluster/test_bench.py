@@ -25,8 +25,11 @@ def test_io_bench_report_shape(tmp_path):
     assert set(results["modes"]) == {"warm", "cold"}
     for entry in results["modes"].values():
         assert entry["raw_gbps"] > 0 and entry["raw_write_gbps"] > 0
-        assert abs(entry["write_disk_gbps"] - 2 * entry["write_gbps"]) < 1e-9
-        assert abs(entry["write_over_raw"] - entry["write_disk_gbps"] / entry["raw_write_gbps"]) < 1e-9
+        assert [w["path"] for w in entry["writes"]] == ["grpc", "tcp data port", "local data port"]
+        for w in entry["writes"]:
+            assert abs(w["write_disk_gbps"] - 2 * w["write_gbps"]) < 1e-9 and w["write_gbps"] > 0
+            assert abs(w["write_over_raw"] - w["write_disk_gbps"] / entry["raw_write_gbps"]) < 1e-9
+        assert entry["write_gbps"] == entry["writes"][-1]["write_gbps"]  # the default path's, as before
         assert [t["transport"] for t in entry["transports"]] == ["grpc", "tcp", "shm"]
         for t in entry["transports"]:
             assert len(t["restore_gbps"]) == 1 and t["block_p99_ms"] >= t["block_p50_ms"] > 0

@@ -41,19 +41,23 @@ def connections(cluster, socket: str) -> float:
 async def test_chunkserver_metrics_count_reads_by_transport_writes_by_replica_and_match_stat(local_cluster, mode):
     cluster = local_cluster(chunk_extra=["--io-mode", mode])
     assert all(cs.metrics_address.startswith("127.0.0.1:") for cs in cluster.chunkservers)
-    tokens = tokens_for(4, seed=21)
-    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
-    before = scrape_all(cluster)
-    async with Client(cluster.meta_address) as writer:
-        assert (await writer.write(NS, tokens, payload, MLA)).committed == 4
-    after = scrape_all(cluster)
-    assert total(before, after, "kvfs_chunk_write_bytes_total") == 2 * len(payload)  # two replicas
-    chunks = total(before, after, "kvfs_chunk_writes_total")
-    assert chunks == 2 * 4 * 2  # replicas x blocks x two chunks a block
-    assert total(before, after, "kvfs_chunk_write_seconds_count") == chunks  # one WriteChunk call each
-    assert total(before, after, "kvfs_chunk_write_seconds_sum") > 0
-    assert all(a[("kvfs_chunk_write_seconds_bucket", (("le", "+Inf"),))] == a[("kvfs_chunk_write_seconds_count", ())]
-               for a in after)
+    # writes: the data port's local socket by default (loopback), TCP with "tcp", WriteChunk with "grpc"
+    for seed, (writer_transport, counted) in enumerate((("grpc", "grpc"), ("tcp", "tcp"), ("auto", "local"))):
+        tokens = tokens_for(4, seed=21 + seed)  # the last one is restored below
+        payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+        before = scrape_all(cluster)
+        async with Client(cluster.meta_address, transport=writer_transport) as writer:
+            assert (await writer.write(NS, tokens, payload, MLA)).committed == 4
+        after = scrape_all(cluster)
+        assert total(before, after, "kvfs_chunk_write_bytes_total") == 2 * len(payload)  # two replicas
+        chunks = total(before, after, "kvfs_chunk_writes_total")
+        assert chunks == 2 * 4 * 2  # replicas x blocks x two chunks a block
+        for label in ("grpc", "tcp", "local"):  # one write each, under the transport it took
+            assert total(before, after, "kvfs_chunk_write_seconds_count", transport=label) == \
+                (chunks if label == counted else 0), (writer_transport, label)
+        assert total(before, after, "kvfs_chunk_write_seconds_sum", transport=counted) > 0
+        assert all(a[("kvfs_chunk_write_seconds_bucket", (("le", "+Inf"), ("transport", counted)))] ==
+                   a[("kvfs_chunk_write_seconds_count", (("transport", counted),))] for a in after)
 
     for transport in ("grpc", "tcp", "shm"):
         before = scrape_all(cluster)

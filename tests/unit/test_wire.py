@@ -56,6 +56,21 @@ def test_shm_pieces_must_add_up_to_the_range():
         wire.parse_ranges(header, body)
 
 
+@given(ids, st.integers(1, wire.MAX_CHUNK), st.integers(0, 2**64 - 1), st.binary(max_size=wire.MAX_OWNER))
+def test_write_requests_round_trip(cid, length, checksum, owner):
+    header, body = split(wire.encode_write(7, cid, length, checksum, owner))
+    assert (header.kind, header.request_id, header.count) == (wire.WRITE, 7, 1)
+    assert wire.parse_write(header, body) == wire.WriteRequest(cid, length, checksum, owner)
+
+
+@given(st.integers(0, 2**16 - 1), st.text(max_size=200), st.booleans(), st.binary(max_size=255))
+def test_write_replies_round_trip(code, message, created, receipt):
+    frame = wire.encode_write_reply(9, code, message, created, receipt)
+    header = wire.parse_header(frame[: wire.HEADER.size], requests=False)
+    assert header.kind == wire.WRITE_REPLY
+    assert wire.parse_write_reply(header, frame[wire.HEADER.size :]) == (code, message, created, receipt)
+
+
 def test_replies_and_statuses_round_trip():
     # a range's data covers blocks 1-2 of a 3-block chunk; the reply carries all 3 checksums
     results = [wire.RangeResult(0, "", 65536, 100_000, 165_536, (1, 2, 3)), wire.RangeResult(5, "not found on cs-1")]
@@ -89,12 +104,15 @@ def test_fuzzed_headers_parse_or_raise_wire_error(raw):
 
 
 @settings(max_examples=500)
-@given(st.sampled_from([wire.READ, wire.READ_SHM, wire.SHM_REGISTER]), st.integers(0, 40), st.binary(max_size=600))
+@given(st.sampled_from(wire.REQUEST_KINDS), st.integers(0, 40), st.binary(max_size=600))
 def test_fuzzed_bodies_parse_or_raise_wire_error(kind, count, body):
     header = wire.Header(kind, 0, 1, count, len(body))
     try:
         if kind == wire.SHM_REGISTER:
             wire.parse_shm_register(header, body)
+        elif kind == wire.WRITE:
+            req = wire.parse_write(header, body)
+            assert 0 < req.length <= wire.MAX_CHUNK and len(req.owner) <= wire.MAX_OWNER
         else:
             parsed = wire.parse_ranges(header, body)
             assert len(parsed) == count
