@@ -15,6 +15,8 @@ from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
+from test_metrics import scrape
+
 from helpers import data_connection, flip_bytes, local_read_grant, recv_exactly, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v3")
@@ -257,3 +259,20 @@ def test_a_data_port_that_closes_during_the_tls_handshake_fails_the_connection_a
     assert time.monotonic() - t0 < 5
     sock.close()
     listener.close()
+
+
+async def test_writes_fall_back_to_grpc_when_a_data_port_turns_them_away(local_cluster, caplog):
+    # every data-port connection is refused on accept (a port at its connection limit)
+    cluster = local_cluster(chunk_extra=["--data-peer-connections", "0"])
+    tokens = tokens_for(4, seed=61)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport="grpc") as reader:
+        async with Client(cluster.meta_address) as writer:
+            result = await writer.write(NS, tokens, payload, MLA)
+            assert result.committed == 4
+        out, _, _ = await restore(reader, tokens)
+    assert bytes(out) == payload
+    written = [scrape(cs.metrics_address) for cs in cluster.chunkservers]
+    for transport, count in (("grpc", 2 * 4 * 2), ("local", 0), ("tcp", 0)):  # replicas x blocks x chunks
+        assert sum(w[("kvfs_chunk_write_seconds_count", (("transport", transport),))] for w in written) == count
+    assert "go over gRPC for 30 s: its data port failed a write" in caplog.text
