@@ -60,7 +60,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvfs import tls, wire
-from kvfs.buffers import PAGE, address_of
+from kvfs.buffers import PAGE, address_of, memmove
 from kvfs.errors import KvfsError, PermissionDenied
 from kvfs.grants import require_owner, require_read_grant, write_receipt
 
@@ -284,7 +284,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     _set_recv_timeout(self.sock, SEND_TIMEOUT if self.tls else IDLE_TIMEOUT)
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
-                    elif header.kind == wire.WRITE:
+                    elif header.kind in (wire.WRITE, wire.WRITE_SHM):
                         self._write(header, arrived, wire.parse_write(header, body), deadline)
                     else:
                         self._read(header, arrived, *wire.parse_read(header, body))
@@ -335,55 +335,84 @@ class _Handler(socketserver.BaseRequestHandler):
 
     # ---- writes ------------------------------------------------------------
 
-    def _refuse(self, request_id: int, code: int, message: str) -> None:
-        """Answers a WRITE whose bytes will not be read, and closes the connection:
-        they are on their way, and the stream cannot be kept in step without them."""
-        self.store.counters.rejected_requests += 1
-        log.warning("data port: write from %s refused: %s; closing", self.client_address, message)
-        self.sock.sendall(wire.encode_status(request_id, code, message))
-        raise _Closed()
-
-    def _write(self, header: wire.Header, arrived: float, req: wire.WriteRequest, deadline: float) -> None:
-        """Receives a WRITE's bytes into an aligned buffer and stores them (within the
-        request's deadline, as its header and body); answers WRITE_REPLY."""
+    def _refusal(self, header: wire.Header, req: wire.WriteRequest) -> tuple[int, str] | None:
+        """Why a write must not be stored, from what it announced: (code, message), or None."""
         store, key = self.store, self.server.cluster_key
         if req.length > store.cfg.max_chunk_size:
-            self._refuse(header.request_id, 3, f"chunk {short_id(req.chunk_id)}: {req.length} bytes; this "
-                                               f"server stores chunks of at most {store.cfg.max_chunk_size}")
+            return 3, (f"chunk {short_id(req.chunk_id)}: {req.length} bytes; this server stores chunks of at most "
+                       f"{store.cfg.max_chunk_size}")
+        if header.kind == wire.WRITE_SHM:
+            mapped = self.maps.get(req.mapping)
+            if mapped is None:
+                return 9, f"WRITE_SHM from mapping {req.mapping}, which is not registered (SHM_REGISTER)"
+            if req.offset + req.length > len(mapped):
+                return 3, (f"WRITE_SHM of {req.length} bytes at {req.offset}: past the end of the "
+                           f"{len(mapped)}-byte mapping")
         if key is not None:  # the data port knows no caller: with a key, every write needs its owner seal
             try:
                 require_owner(key, req.owner, req.chunk_id)
             except PermissionDenied as err:
-                self._refuse(header.request_id, err.code.value[0], err.message)
+                return err.code.value[0], err.message
+        return None
+
+    def _write(self, header: wire.Header, arrived: float, req: wire.WriteRequest, deadline: float) -> None:
+        """Stores a WRITE's bytes, received into an aligned buffer, or a WRITE_SHM's,
+        copied there from the writer's mapping (within the request's deadline, as its
+        header and body); answers WRITE_REPLY. A refused WRITE is answered STATUS and
+        its connection closed: its bytes are on their way, and the stream cannot be
+        kept in step without reading them."""
+        store, rid = self.store, header.request_id
+        refused = self._refusal(header, req)
         size = max(2 * PAGE, -(-req.length // PAGE) * PAGE)  # O_DIRECT writes whole pages from it
         budget = self.server.write_buffers
-        if not budget.acquire(self.peer, size, deadline):
-            self._refuse(header.request_id, 8, f"no room among the write buffers (data_write_buffers: {budget.used} "
-                                               f"of {budget.total} bytes held) within the request deadline; retry")
+        if refused is None and not budget.acquire(self.peer, size, deadline):
+            refused = 8, (f"no room among the write buffers (data_write_buffers: {budget.used} of {budget.total} "
+                          f"bytes held) within the request deadline; retry")
+        if refused is not None:
+            self._refuse(header, *refused)
+            return
         code, message, created, receipt = 0, "", False, b""
         try:
             buf = store.get_buffer(size)
             try:
-                try:
-                    _recv_into(self.sock, memoryview(buf)[: req.length], deadline)
-                except BlockingIOError:
-                    self._refuse(header.request_id, 4, f"chunk {short_id(req.chunk_id)}: its {req.length} bytes "
-                                                       f"did not arrive within the request deadline")
-                try:
-                    created = asyncio.run_coroutine_threadsafe(
-                        store.write(req.chunk_id, memoryview(buf)[: req.length], req.checksum, req.owner),
-                        self.server.loop).result()
-                    if key is not None:
-                        receipt = write_receipt(key, req.chunk_id, req.checksum, store.cfg.id)
-                except KvfsError as err:
-                    code, message = err.code.value[0], err.message
-                    log.warning("data port: write from %s: %s", self.client_address, message)
+                view = memoryview(buf)[: req.length]
+                if header.kind == wire.WRITE_SHM:
+                    memmove(address_of(view), address_of(self.maps[req.mapping]) + req.offset, req.length)
+                else:
+                    try:
+                        _recv_into(self.sock, view, deadline)
+                    except BlockingIOError:
+                        self._refuse(header, 4, f"chunk {short_id(req.chunk_id)}: its {req.length} bytes did not "
+                                                f"arrive within the request deadline")
+                code, message, created, receipt = self._store(req, view)
             finally:
                 store.put_buffer(buf)
         finally:
             budget.release(self.peer, size)
-        self.sock.sendall(wire.encode_write_reply(header.request_id, code, message, created, receipt))
+        self.sock.sendall(wire.encode_write_reply(rid, code, message, created, receipt))
         self.server.write_seconds["local" if self.local else "tcp"].observe(time.perf_counter() - arrived)
+
+    def _refuse(self, header: wire.Header, code: int, message: str) -> None:
+        self.store.counters.rejected_requests += 1
+        if header.kind == wire.WRITE_SHM:  # nothing follows its body: the connection goes on
+            log.warning("data port: write from %s refused: %s", self.client_address, message)
+            self.sock.sendall(wire.encode_write_reply(header.request_id, code, message))
+            return
+        log.warning("data port: write from %s refused: %s; closing", self.client_address, message)
+        self.sock.sendall(wire.encode_status(header.request_id, code, message))
+        raise _Closed()
+
+    def _store(self, req: wire.WriteRequest, view: memoryview) -> tuple[int, str, bool, bytes]:
+        """Stores the chunk through the store's loop: (code, message, created, receipt)."""
+        key = self.server.cluster_key
+        try:
+            created = asyncio.run_coroutine_threadsafe(
+                self.store.write(req.chunk_id, view, req.checksum, req.owner), self.server.loop).result()
+        except KvfsError as err:
+            log.warning("data port: write from %s: %s", self.client_address, err.message)
+            return err.code.value[0], err.message, False, b""
+        receipt = write_receipt(key, req.chunk_id, req.checksum, self.store.cfg.id) if key is not None else b""
+        return 0, "", created, receipt
 
     # ---- reads -------------------------------------------------------------
 

@@ -302,7 +302,8 @@ class Client:
                 owner = owner_record(namespace.digest, block.key, index, len(block.chunks), _layout_msg(layout),
                                      alloc.chunk_size, placement.owner_seal, ttl_class)
                 pieces = layout.scatter(span, first_block + i, tokens)
-                jobs.append(self._write_chunk(limit, placement, span.length, pieces, src, owner, entry, index))
+                jobs.append(self._write_chunk(limit, placement, span.length, pieces, src, owner, entry, index,
+                                              alloc.chunk_size))
                 written += span.length
         if not commit.blocks:  # another writer committed all of them since our lookup
             return WriteResult(0, len(alloc.blocks), 0, time.perf_counter() - t0)
@@ -318,36 +319,49 @@ class Client:
         already = sum(b.already_present for b in alloc.blocks) + reply.already_present
         return WriteResult(reply.committed, already, written, time.perf_counter() - t0)
 
-    async def _write_chunk(self, limit, placement, length: int, pieces, src, owner: bytes, entry, index: int) -> None:
+    async def _write_chunk(self, limit, placement, length: int, pieces, src, owner: bytes, entry, index: int,
+                           chunk_size: int) -> None:
         """Gathers one chunk out of the payload when its turn comes (at most
-        write_concurrency at once, in reused buffers), checksums it once and
-        writes it to every replica in parallel; its checksum and receipts go
-        into the commit entry."""
+        write_concurrency at once: into a write slot, which chunkservers on this host
+        copy it from, when a replica is local, else into a reused buffer), checksums
+        it once and writes it to every replica in parallel; its checksum and
+        receipts go into the commit entry."""
+        data_addresses = list(placement.data_addresses) or [""] * len(placement.addresses)
         async with limit:
-            buf = self._chunk_buffers.get(-(-length // PAGE) * PAGE)
-            view = memoryview(buf)[:length]
+            slots = (self._writer.write_slots(chunk_size, self.write_concurrency)
+                     if self.transport != "grpc" and any(a and self._writer.is_local(a) for a in data_addresses)
+                     else None)
+            if slots is not None:
+                slot, buf = await slots.take(), None
+                view = slots.view(slot, length)
+            else:
+                slot, buf = None, self._chunk_buffers.get(-(-length // PAGE) * PAGE)
+                view = memoryview(buf)[:length]
             for s, d, n in pieces:
                 view[s : s + n] = src[d : d + n]
             xxh = entry.chunk_checksums[index] = chunk_checksum(view)
-            data_addresses = list(placement.data_addresses) or [""] * len(placement.addresses)
             copies = await asyncio.gather(*(self._store_chunk(address, data_address, placement.chunk_id, view, owner,
-                                                              xxh)
+                                                              xxh, slot)
                                             for address, data_address in zip(placement.addresses, data_addresses)),
                                           return_exceptions=True)
-            # every copy has finished with the bytes (gather waited for all): the buffer can go back
-            self._chunk_buffers.put(buf)
+            # every copy has finished with the bytes (gather waited for all): they can be reused
+            view.release()
+            if slots is not None:
+                slots.give(slot)
+            else:
+                self._chunk_buffers.put(buf)
         for copy in copies:
             if isinstance(copy, BaseException):
                 raise copy
             if copy:  # none from an --insecure chunkserver
                 entry.receipts.append(copy)
 
-    async def _store_chunk(self, address, data_address, chunk_id, data, owner, xxh) -> bytes:
+    async def _store_chunk(self, address, data_address, chunk_id, data, owner, xxh, slot) -> bytes:
         """One copy of a chunk, over the server's data port when it has one, else
         (or when that connection fails) over gRPC; its receipt."""
         if data_address and self.transport != "grpc" and self._grpc_writes.get(data_address, 0) < time.monotonic():
             try:
-                return (await self._writer.write(data_address, chunk_id, data, xxh, owner, self.timeout))[1]
+                return (await self._writer.write(data_address, chunk_id, data, xxh, owner, self.timeout, slot))[1]
             except Unavailable as err:
                 if self._grpc_writes.get(data_address, 0) < time.monotonic():
                     log.warning("chunk writes to %s go over gRPC for %.0f s: its data port failed a write (%s)",

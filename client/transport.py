@@ -50,7 +50,7 @@ from kvfs.errors import Aborted, DataLoss, DeadlineExceeded, KvfsError, Unavaila
 
 from .chunks import ChunkClient
 from .hedge import Fence
-from .pool import arena_of, current_arena
+from .pool import SharedArena, arena_of, current_arena
 
 log = logging.getLogger(__name__)
 
@@ -330,9 +330,10 @@ class _Connection:
     drained by a thread that places the bytes and then completes futures."""
 
     def __init__(self, address: str, shm_regions: int = 0, arena=None, tls: ssl.SSLContext | None = None,
-                 local: bool = False):
+                 local: bool = False, write_arena=None):
         self.address = address
         self.sock = _connect(address, local or bool(shm_regions), tls)
+        self.write_mapping: int | None = None  # where the server maps `write_arena` (WRITE_SHM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STALL_TIMEOUT), 0))
         self.pending: dict[int, _Pending | _PendingWrite] = {}
@@ -357,6 +358,12 @@ class _Connection:
                 self.arena = arena
             except KvfsError as err:
                 log.warning("%s; restores from it into pool buffers will be copied once", err.message)
+        if write_arena is not None and self.sock.family == socket.AF_UNIX:
+            try:
+                self._register(write_arena.fd, write_arena.size, 0)
+                self.write_mapping = 0
+            except KvfsError as err:
+                log.warning("%s; writes to it send their bytes over the socket instead", err.message)
         self.thread = threading.Thread(target=self._drain, name=f"kvfs-data-{address}", daemon=True)
         self.thread.start()
 
@@ -433,11 +440,17 @@ class _Connection:
                 self.pending[rid] = _PendingWrite(loop, future)
         return rid, future
 
-    def send_write(self, rid: int, chunk_id: bytes, data: memoryview, checksum: int, owner: bytes) -> None:
-        """Sends a WRITE and the chunk's bytes back to back. It blocks until the socket
-        has taken them: call it off the event loop."""
+    def send_write(self, rid: int, chunk_id: bytes, data: memoryview, checksum: int, owner: bytes,
+                   at: int | None = None) -> None:
+        """Sends a WRITE and the chunk's bytes back to back, or with `at` (where `data`
+        lies in the write arena this connection registered) a WRITE_SHM alone. It
+        blocks until the socket has taken them: call it off the event loop."""
         try:
             with self.send_lock:
+                if at is not None:
+                    self.sock.sendall(wire.encode_write(rid, chunk_id, len(data), checksum, owner,
+                                                        (self.write_mapping, at)))
+                    return
                 self.sock.sendall(wire.encode_write(rid, chunk_id, len(data), checksum, owner))
                 self.sock.sendall(data)
         except OSError as err:
@@ -611,9 +624,8 @@ class TcpTransport:
                 dead.close()
             if len(conns) < self.connections:
                 try:
-                    conn = await asyncio.get_running_loop().run_in_executor(
-                        None, _Connection, address, self.shm_regions,
-                        current_arena() if self.shm_regions else None, self.tls, self._local(address))
+                    conn = await asyncio.get_running_loop().run_in_executor(None, self._open, address,
+                                                                            current_arena())
                 except (OSError, KvfsError) as err:
                     if not conns:
                         raise Unavailable(f"cannot open a data connection to {address}: {err}") from None
@@ -626,9 +638,9 @@ class TcpTransport:
                         self._regions[id(conn)] = queue
             return min(conns, key=lambda c: c.load)
 
-    def _local(self, address: str) -> bool:
-        """Whether connections to `address` go to its local socket (shared memory needs it)."""
-        return bool(self.shm_regions)
+    def _open(self, address: str, arena) -> _Connection:
+        """A new connection to the data port at `address` (in a thread: it connects)."""
+        return _Connection(address, self.shm_regions, arena if self.shm_regions else None, self.tls)
 
     async def read(self, server, specs, out):
         try:
@@ -684,33 +696,81 @@ class ShmTransport(TcpTransport):
             regions.put_nowait(region)
 
 
+class WriteSlots:
+    """Chunks being written, gathered into page-aligned slots of one SharedArena
+    that every chunkserver on this host maps (its descriptor passed on each local
+    write connection): each local replica copies a chunk straight out of its slot
+    (WRITE_SHM), and none of it crosses a socket."""
+
+    def __init__(self, slot_bytes: int, slots: int):
+        self.slot_bytes = -(-slot_bytes // 4096) * 4096
+        self.arena = SharedArena(self.slot_bytes * slots)
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(slots):
+            if self.arena.allocate(self.slot_bytes) is None:  # memory refused: fewer slots
+                break
+            self._free.put_nowait(i)
+
+    async def take(self) -> int:
+        return await self._free.get()
+
+    def give(self, slot: int) -> None:
+        self._free.put_nowait(slot)
+
+    def view(self, slot: int, length: int) -> memoryview:
+        return memoryview(self.arena.map)[slot * self.slot_bytes : slot * self.slot_bytes + length]
+
+    def offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+
 class DataWriter(TcpTransport):
     """Chunk writes over the data port (wire.WRITE): `connections` per server of
     their own, so a write's megabytes never sit between a restore's request and
     the server on one socket; a server on this host through its local socket
-    (`local`), the others over TCP (mutual TLS with `tls`)."""
+    (`local`), its chunks out of the write slots (WRITE_SHM), the others over TCP
+    (mutual TLS with `tls`)."""
 
     name = "data port"
+    MAX_SLOTS_BYTES = 64 << 20  # the write slots' memory file, at most
 
     def __init__(self, connections: int = 4, tls: ssl.SSLContext | None = None, local: bool = True):
         super().__init__(connections, tls)
         self.use_local = local
+        self.slots: WriteSlots | None = None
+        self._local: dict[str, bool] = {}
 
-    def _local(self, address: str) -> bool:
-        return self.use_local and is_local(address)
+    def is_local(self, address: str) -> bool:
+        """Whether writes to the data port at `address` take its local socket."""
+        if address not in self._local:
+            self._local[address] = self.use_local and is_local(address)
+        return self._local[address]
+
+    def write_slots(self, chunk_bytes: int, count: int) -> WriteSlots | None:
+        """The write slots, made on first use for chunks of up to `chunk_bytes`, or
+        None when chunks are too large for them (or local writes are off)."""
+        if self.slots is None and self.use_local and chunk_bytes * min(count, 2) <= self.MAX_SLOTS_BYTES:
+            self.slots = WriteSlots(chunk_bytes, max(1, min(count, self.MAX_SLOTS_BYTES // chunk_bytes)))
+        return self.slots if self.slots is not None and chunk_bytes <= self.slots.slot_bytes else None
+
+    def _open(self, address: str, arena) -> _Connection:
+        local = self.is_local(address)
+        return _Connection(address, 0, None, self.tls, local, self.slots.arena if local and self.slots else None)
 
     async def write(self, address: str, chunk_id: bytes, data, checksum: int, owner: bytes = b"",
-                    timeout: float = 60) -> tuple[bool, bytes]:
+                    timeout: float = 60, slot: int | None = None) -> tuple[bool, bytes]:
         """Stores one chunk on the server whose data port is `address`: (created,
-        receipt). Unavailable when the port cannot be reached or the connection
-        fails (the caller may write over gRPC instead); the server's own refusals
-        come back as their kvfs.errors types."""
+        receipt). `slot`: the write slot `data` lies in, for a WRITE_SHM where the
+        connection has the slots mapped. Unavailable when the port cannot be reached
+        or the connection fails (the caller may write over gRPC instead); the
+        server's own refusals come back as their kvfs.errors types."""
         conn = await self._connection(address)
         loop = asyncio.get_running_loop()
         rid, future = conn.expect_write(loop)
+        at = self.slots.offset(slot) if slot is not None and conn.write_mapping is not None else None
         if not future.done():
             await loop.run_in_executor(None, conn.send_write, rid, chunk_id, memoryview(data).cast("B"), checksum,
-                                       owner)
+                                       owner, at)
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
@@ -719,3 +779,8 @@ class DataWriter(TcpTransport):
         if isinstance(result, KvfsError):
             raise result
         return result
+
+    async def close(self) -> None:
+        await super().close()
+        if self.slots is not None:
+            self.slots.arena.close()

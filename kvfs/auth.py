@@ -75,6 +75,8 @@ DATA_PORT_RULES: dict[int, tuple[str, str]] = {
     wire.WRITE: ("WRITE", "over TCP: a caller with a certificate of the cluster's CA; on the local socket: a local "
                           "process; either way with the owner record the metaserver sealed for the chunk id at "
                           "allocation, checked (with the announced size) before any of the chunk's bytes are read"),
+    wire.WRITE_SHM: ("WRITE_SHM", "as WRITE, from a local process, of bytes in a mapping it registered; "
+                                  "copied out of it before they are checked"),
     wire.SHM_REGISTER: ("SHM_REGISTER", "a local process on the port's local socket, for a memory file it passes "
                                         "by descriptor, sealed against shrinking; never by name, never over TCP"),
 }

@@ -18,6 +18,13 @@ Requests (client -> server):
                 length), sent only once the server cannot refuse them unseen: a
                 writer sends the frame and its bytes back to back, and the server
                 checks the owner record and the size before it reads any of them
+  WRITE_SHM     as WRITE, then mapping u8 and offset u64: the chunk's bytes are not
+                sent but lie in the writer's registered mapping at that offset
+                (local socket only); the server copies them into its own buffer
+                before it checks them, so the writer changing them meanwhile can
+                only make its own write fail its checksum. Nothing follows the
+                body, so a refused WRITE_SHM is answered WRITE_REPLY and the
+                connection goes on
   SHM_REGISTER  size u64: map the memory file sent with this request as mapping `flags`
                 (0: the connection's staging buffer, 1: the client's buffer arena).
                 Only on the chunkserver's local socket (`local_socket_name`), the
@@ -65,9 +72,9 @@ VERSION = 4  # 2: replies carry every block checksum of the chunk; 3: reads carr
 # WRITE_REPLY were added within 4: a server without them answers STATUS and closes
 HEADER = struct.Struct("<4sBBHQII")
 
-READ, READ_SHM, SHM_REGISTER, WRITE = 1, 2, 3, 4
+READ, READ_SHM, SHM_REGISTER, WRITE, WRITE_SHM = 1, 2, 3, 4, 5
 READ_REPLY, WRITE_REPLY, STATUS = 0x81, 0x82, 0x83
-REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER, WRITE)
+REQUEST_KINDS = (READ, READ_SHM, SHM_REGISTER, WRITE, WRITE_SHM)
 REPLY_KINDS = (READ_REPLY, WRITE_REPLY, STATUS)
 
 MAX_ID = 64
@@ -87,6 +94,7 @@ _RESULT = struct.Struct("<HH")
 _DATA = struct.Struct("<QQQI")
 _WRITE = struct.Struct("<QQH")  # length, checksum, owner length
 _WRITTEN = struct.Struct("<BB")  # created, receipt length
+_IN_SHM = struct.Struct("<BQ")  # WRITE_SHM: mapping, offset
 # the largest legal reply body: every range with a full message and a 64 MiB chunk's checksums
 MAX_REPLY_BODY = MAX_RANGES * (_RESULT.size + MAX_MESSAGE + _DATA.size + 8 * ((64 << 20) // BLOCK))
 
@@ -216,19 +224,25 @@ def parse_read(header: Header, body: bytes | memoryview) -> tuple[bytes, list[Ra
 @dataclass(frozen=True, slots=True)
 class WriteRequest:
     chunk_id: bytes
-    length: int  # the bytes that follow the body
+    length: int  # WRITE: the bytes that follow the body; WRITE_SHM: the bytes at `offset` in `mapping`
     checksum: int
     owner: bytes
+    mapping: int = -1  # WRITE_SHM only
+    offset: int = 0
 
 
-def encode_write(request_id: int, chunk_id: bytes, length: int, checksum: int, owner: bytes = b"") -> bytes:
-    """A WRITE frame; the chunk's `length` bytes are sent right after it."""
+def encode_write(request_id: int, chunk_id: bytes, length: int, checksum: int, owner: bytes = b"",
+                 shm: tuple[int, int] | None = None) -> bytes:
+    """A WRITE frame, whose `length` bytes are sent right after it; with `shm`
+    (mapping, offset), a WRITE_SHM of the bytes there instead."""
     body = bytes([len(chunk_id)]) + chunk_id + _WRITE.pack(length, checksum, len(owner)) + owner
-    return encode_header(WRITE, request_id, 1, len(body)) + body
+    if shm is not None:
+        body += _IN_SHM.pack(*shm)
+    return encode_header(WRITE if shm is None else WRITE_SHM, request_id, 1, len(body)) + body
 
 
 def parse_write(header: Header, body: bytes | memoryview) -> WriteRequest:
-    """What a WRITE announces; WireError if it is malformed or out of bounds."""
+    """What a WRITE or WRITE_SHM announces; WireError if it is malformed or out of bounds."""
     if len(body) != header.body_len:
         raise WireError(f"truncated body: {len(body)} of {header.body_len} bytes")
     if header.count != 1:
@@ -241,10 +255,18 @@ def parse_write(header: Header, body: bytes | memoryview) -> WriteRequest:
     length, checksum, owner_len = _WRITE.unpack_from(body, 1 + n)
     if not 0 < length <= MAX_CHUNK:
         raise WireError(f"a WRITE announces {length} bytes; a chunk has 1..{MAX_CHUNK}")
-    if owner_len > MAX_OWNER or 1 + n + _WRITE.size + owner_len != len(body):
+    at = 1 + n + _WRITE.size + owner_len
+    tail = _IN_SHM.size if header.kind == WRITE_SHM else 0
+    if owner_len > MAX_OWNER or at + tail != len(body):
         raise WireError(f"a WRITE's owner record is {owner_len} bytes in a {len(body)}-byte body (at most "
-                        f"{MAX_OWNER}, and nothing after it)")
-    return WriteRequest(chunk_id, length, checksum, bytes(body[1 + n + _WRITE.size :]))
+                        f"{MAX_OWNER}, and nothing after it{' but its mapping and offset' if tail else ''})")
+    owner = bytes(body[1 + n + _WRITE.size : at])
+    if not tail:
+        return WriteRequest(chunk_id, length, checksum, owner)
+    mapping, offset = _IN_SHM.unpack_from(body, at)
+    if mapping >= MAX_MAPPINGS:
+        raise WireError(f"WRITE_SHM from mapping {mapping}: at most {MAX_MAPPINGS} per connection")
+    return WriteRequest(chunk_id, length, checksum, owner, mapping, offset)
 
 
 def encode_write_reply(request_id: int, code: int, message: str = "", created: bool = False,

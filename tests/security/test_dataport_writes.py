@@ -4,17 +4,21 @@ TCP). A chunk is stored only under the owner record the metaserver sealed for it
 id, checked with the announced size before any of its bytes are read (a refusal
 comes at once, with the bytes never sent); oversized and malformed frames are
 refused and their connections closed; bytes that do not match the writer's
-checksum are not stored, and the connection goes on; a writer that stops
+checksum are not stored, and the connection goes on; a WRITE_SHM (bytes in a
+mapping registered on the local socket) is checked the same way, and refused
+ones leave the connection serving; a writer that stops
 mid-chunk is cut off at the request deadline, and one host's slow writers hold
 one share of the write buffers while another host writes. The server keeps
 serving throughout, and nothing refused is ever listed."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 
 from kvfs import wire
+from kvfs.buffers import PAGE, sealed_memfd
 from kvfs.checksum import chunk_checksum
 from kvfs.client import ChunkClient
 from kvfs.grants import write_receipt
@@ -22,6 +26,7 @@ from kvfs.tls import LocalCA, load_cluster_key
 
 from helpers import data_connection, local_owner, recv_exactly
 from test_read_buffers import tls_from
+from test_shm_descriptors import local_socket, register
 
 MiB = 1 << 20
 NS = os.urandom(16)
@@ -170,3 +175,50 @@ async def test_writers_that_stop_mid_chunk_are_cut_off_and_hold_one_share_of_the
         assert write_on(sock, 1, again, data, local_owner(again, NS))[:3] == (0, "", True)
     async with ChunkClient(server.address) as admin:
         assert (await admin.stat()).counters.rejected_requests == 3
+
+
+async def test_writes_from_shared_memory_are_checked_and_the_connection_goes_on(chunkservers):
+    server = chunkservers(extra=["--io-mode", "direct"])
+    address = await data_address_of(server)
+    size = 4 * MiB
+    fd = sealed_memfd("test-writes", size)
+    shm = mmap.mmap(fd, size)
+    data = os.urandom(MiB + 7)
+    shm[PAGE : PAGE + len(data)] = data
+    good = os.urandom(16)
+    sock = local_socket(address)
+    try:
+        def write_shm(rid, chunk_id, length, offset, owner, mapping=0, checksum=None):
+            sock.sendall(wire.encode_write(rid, chunk_id, length, chunk_checksum(data) if checksum is None
+                                           else checksum, owner, (mapping, offset)))
+            return answer(sock)
+
+        # before any mapping is registered
+        assert write_shm(1, good, len(data), PAGE, local_owner(good, NS))[0] == 9
+        assert register(sock, size, [fd]) == (0, "")
+        cases = [  # (what, chunk id, length, offset, owner, code, the message says)
+            ("another mapping", 1, len(data), PAGE, None, 9, "not registered"),
+            ("past the mapping's end", 0, len(data), size - MiB, None, 3, "past the end"),
+            ("no owner record", 0, len(data), PAGE, b"", 7, "owner record sealed"),
+            ("other bytes than the checksum's", 0, len(data), 0, None, 15, "checksum mismatch"),
+        ]
+        for rid, (what, mapping, length, offset, owner, code, says) in enumerate(cases, 2):
+            cid = os.urandom(16)
+            got, message, created, receipt = write_shm(rid, cid, length, offset,
+                                                       local_owner(cid, NS) if owner is None else owner, mapping)
+            assert (got, created, receipt) == (code, False, b"") and says in message, (what, message)
+        # the connection went on through all of them: the bytes at PAGE are stored, as they were
+        got, message, created, receipt = write_shm(9, good, len(data), PAGE, local_owner(good, NS))
+        assert (got, created) == (0, True) and receipt, message
+    finally:
+        sock.close()
+        shm.close()
+        os.close(fd)
+    async with ChunkClient(server.address) as admin:
+        assert await admin.read_chunk(good) == data
+    assert await listed(server.address) == {good}  # none of the refused ones
+    # over TCP nothing can be registered: a WRITE_SHM there names no mapping
+    with data_connection(address) as tcp:
+        cid = os.urandom(16)
+        tcp.sendall(wire.encode_write(1, cid, 100, 0, local_owner(cid, NS), (0, 0)))
+        assert answer(tcp)[0] == 9
