@@ -168,6 +168,18 @@ def _plot(path: str | None, results: list[dict], title: str) -> None:
         console.print(f"wrote {path}")
 
 
+def _mixed(args) -> int:
+    from .mixed import run_mixed
+
+    config = {"restore_tokens": args.restore_tokens, "write_tokens": args.write_tokens, "writers": args.writers,
+              "restorers": args.restorers, "seconds": args.seconds, "transport": args.transport,
+              "chunkservers": args.chunkservers, "io_mode": args.io_mode,
+              "write_yields": args.write_yield.split(",")}
+    report = run_mixed(**config)
+    _write_json(args.json, {"bench": "mixed", **_host(), "config": config, "results": report})
+    return 0
+
+
 def _tenants(args) -> int:
     from kvfs.config import parse_size
 
@@ -552,13 +564,25 @@ def main(argv: list[str] | None = None) -> int:
     tenants.add_argument("--a-interval", type=float, default=0.25, help="seconds between A's restores")
     tenants.add_argument("--transport", default="tcp", help="tcp, shm or grpc (all paced alike)")
     tenants.add_argument("--chunkservers", type=int, default=3)
-    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants):
+    mixed = sub.add_parser("mixed", help="restore latency alone and while write-backs stream into the same "
+                                         "chunkservers, beside raw O_DIRECT write")
+    mixed.add_argument("--restore-tokens", type=int, default=2048, help="the restored prefix (MLA tokens)")
+    mixed.add_argument("--write-tokens", type=int, default=2048, help="each write-back's prompt (MLA tokens)")
+    mixed.add_argument("--writers", type=int, default=4, help="concurrent write-back loops (their own process)")
+    mixed.add_argument("--restorers", type=int, default=2, help="concurrent restore loops")
+    mixed.add_argument("--seconds", type=float, default=20.0, help="of restores, alone and under the writes")
+    mixed.add_argument("--transport", default="auto", help="auto, shm, tcp or grpc (restores and writes)")
+    mixed.add_argument("--chunkservers", type=int, default=3)
+    mixed.add_argument("--io-mode", default="direct", help="the chunkservers': direct (O_DIRECT) or buffered")
+    mixed.add_argument("--write-yield", default="0,20ms",
+                       help="the chunkservers' write_yield settings to compare, one run each (0: writes never wait)")
+    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants, mixed):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants, "mixed": _mixed}[args.cmd](args)
 
 
 if __name__ == "__main__":

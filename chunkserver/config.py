@@ -44,6 +44,9 @@ class ChunkserverConfig:
                                          "their chunks arrive and are stored, over all connections; one client "
                                          "host holds at most a quarter of it (a write alone always proceeds); a "
                                          "write waits for room up to data_request_timeout, then is refused")
+    write_yield: float = duration_field(0.0, "reads first: a chunk write waits up to this long for the client "
+                                        "reads in flight on this server to finish before it takes the disk (0: "
+                                        "writes never wait)")
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")

@@ -52,6 +52,9 @@ COUNTERS = (  # metric (the exposition adds _total), Counters field, help
                                                                     "the metaserver, which copies them back)"),
     ("kvfs_chunk_reads_paced", "reads_paced", "reads that waited for their tenant's pace (tenant_read_rate)"),
     ("kvfs_chunk_paced_seconds", "paced_seconds", "how long paced reads waited, in all"),
+    ("kvfs_chunk_writes_deferred", "writes_deferred", "chunk writes that waited for client reads in flight before "
+                                                      "taking the disk (reads first, write_yield)"),
+    ("kvfs_chunk_write_deferred_seconds", "deferred_seconds", "how long deferred writes waited, in all"),
 )
 
 

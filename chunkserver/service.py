@@ -178,7 +178,8 @@ class ChunkServicer(chunk_pb2_grpc.ChunkServiceServicer):
                 deletes=c.deletes, checksum_errors=c.checksum_errors, rejected_requests=c.rejected_requests,
                 scrubbed_bytes=c.scrubbed_bytes, scrub_passes=c.scrub_passes,
                 corrupt_chunks_removed=c.corrupt_chunks_removed, reads_paced=c.reads_paced,
-                paced_seconds=c.paced_seconds),
+                paced_seconds=c.paced_seconds, writes_deferred=c.writes_deferred,
+                deferred_seconds=c.deferred_seconds),
             tenant_reads=[chunk_pb2.TenantReadStats(tenant_id=t, reads=s.reads, bytes=s.bytes, reads_paced=s.paced,
                                                     paced_seconds=s.paced_seconds)
                           for t, s in self.store.pacer.snapshot()],

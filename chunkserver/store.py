@@ -117,6 +117,8 @@ class Counters:
     corrupt_chunks_removed: int = 0
     reads_paced: int = 0  # reads that waited for their tenant's pace (pacing.py)
     paced_seconds: float = 0.0  # how long, in all
+    writes_deferred: int = 0  # writes that waited for client reads in flight (reads first, write_yield)
+    deferred_seconds: float = 0.0  # how long, in all
 
 
 @dataclass(slots=True)
@@ -232,6 +234,12 @@ class ChunkStore:
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()
         self._pin_lock = threading.Lock()  # pins are taken by gRPC reads and data-port threads
+        # reads first: a write waits up to cfg.write_yield for the client reads in flight
+        # (counted under _pin_lock) before it takes the disk
+        self._client_reads = 0
+        self.writes_waiting = 0  # for them, now
+        self._no_client_reads = threading.Event()
+        self._no_client_reads.set()
         self._delete_lock = asyncio.Lock()
         # chunks a client read found corrupt, for the scrubber to verify again and remove;
         # on_suspect (set by the scrubber) wakes it, from whichever thread found one
@@ -322,8 +330,24 @@ class ChunkStore:
         self.counters.write_bytes += len(data)
         return True
 
+    def _yield_to_reads(self) -> None:
+        """Reads first: waits (in an I/O thread) until no client read is in flight,
+        at most write_yield; counted when it waited."""
+        if self.cfg.write_yield <= 0 or self._no_client_reads.is_set():
+            return
+        t0 = time.perf_counter()
+        with self._pin_lock:
+            self.writes_waiting += 1
+        self._no_client_reads.wait(self.cfg.write_yield)
+        with self._pin_lock:
+            self.writes_waiting -= 1
+            self.counters.writes_deferred += 1
+            self.counters.deferred_seconds += time.perf_counter() - t0
+
     def _place(self, data) -> SlotRef:
-        """Takes a slot and writes the chunk into it (in an I/O thread)."""
+        """Takes a slot and writes the chunk into it (in an I/O thread), after the
+        client reads in flight (or write_yield)."""
+        self._yield_to_reads()
         ref = self.slots.allocate(len(data))
         staging = None
         try:
@@ -359,14 +383,15 @@ class ChunkStore:
 
     # -- reads -------------------------------------------------------------
 
-    def plan_reads(self, ranges: list[tuple[bytes, int, int]],
-                   namespace: bytes | None = None) -> tuple[list[ReadResult], list[PlannedRead]]:
+    def plan_reads(self, ranges: list[tuple[bytes, int, int]], namespace: bytes | None = None,
+                   client: bool = True) -> tuple[list[ReadResult], list[PlannedRead]]:
         """Validates (chunk id, offset, length) ranges (length 0: to the end) and
         pins the slots of the good ones. Bad ranges get their error result
         (NOT_FOUND, OUT_OF_RANGE; with `namespace`, the one a read grant is for,
         PERMISSION_DENIED for a chunk whose owner record names another); a bad
         request as a whole raises InvalidArgument. Callers must release() the
-        plan. Safe from any thread."""
+        plan (with the same `client`: a client's read, which writes wait for,
+        not the scrubber's). Safe from any thread."""
         if len(ranges) > self.cfg.max_ranges:
             raise InvalidArgument(f"{len(ranges)} ranges in one read; at most {self.cfg.max_ranges}")
         results = [ReadResult() for _ in ranges]
@@ -411,11 +436,20 @@ class ChunkStore:
                 self._unpin(p.rec.slot)
                 results[p.index] = ReadResult(grpc.StatusCode.NOT_FOUND,
                                               f"chunk {short_id(p.chunk_id)} not found on {self.cfg.id}")
+        if client and kept:
+            with self._pin_lock:
+                self._client_reads += 1
+                self._no_client_reads.clear()
         return results, kept
 
-    def release(self, plan: list[PlannedRead]) -> None:
+    def release(self, plan: list[PlannedRead], client: bool = True) -> None:
         for p in plan:
             self._unpin(p.rec.slot)
+        if client and plan:
+            with self._pin_lock:
+                self._client_reads -= 1
+                if not self._client_reads:
+                    self._no_client_reads.set()
 
     @staticmethod
     def buffer_bytes(p: PlannedRead) -> int:
@@ -467,7 +501,7 @@ class ChunkStore:
 
     async def _read(self, ranges: list[tuple[bytes, int, int]], scrub: bool,
                     namespace: bytes | None) -> list[ReadResult]:
-        results, plan = self.plan_reads(ranges, namespace)
+        results, plan = self.plan_reads(ranges, namespace, client=not scrub)
         ops = self.disk_reads(plan)
         try:
             done = await asyncio.wrap_future(self.reader.read_batch(ops))
@@ -476,7 +510,7 @@ class ChunkStore:
         finally:
             for _, _, buf in ops:
                 self._pool.put(buf)
-            self.release(plan)
+            self.release(plan, client=not scrub)
         return results
 
     def _verify(self, p: PlannedRead, buf: bytearray, got: int, scrub: bool = False) -> ReadResult:

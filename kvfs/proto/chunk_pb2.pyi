@@ -155,7 +155,7 @@ class TenantReadStats(_message.Message):
     def __init__(self, tenant_id: _Optional[bytes] = ..., reads: _Optional[int] = ..., bytes: _Optional[int] = ..., reads_paced: _Optional[int] = ..., paced_seconds: _Optional[float] = ...) -> None: ...
 
 class IoCounters(_message.Message):
-    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests", "scrubbed_bytes", "scrub_passes", "corrupt_chunks_removed", "reads_paced", "paced_seconds")
+    __slots__ = ("reads", "read_bytes", "writes", "write_bytes", "deletes", "checksum_errors", "rejected_requests", "scrubbed_bytes", "scrub_passes", "corrupt_chunks_removed", "reads_paced", "paced_seconds", "writes_deferred", "deferred_seconds")
     READS_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,8 @@ class IoCounters(_message.Message):
     CORRUPT_CHUNKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     READS_PACED_FIELD_NUMBER: _ClassVar[int]
     PACED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     reads: int
     read_bytes: int
     writes: int
@@ -180,7 +182,9 @@ class IoCounters(_message.Message):
     corrupt_chunks_removed: int
     reads_paced: int
     paced_seconds: float
-    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., corrupt_chunks_removed: _Optional[int] = ..., reads_paced: _Optional[int] = ..., paced_seconds: _Optional[float] = ...) -> None: ...
+    writes_deferred: int
+    deferred_seconds: float
+    def __init__(self, reads: _Optional[int] = ..., read_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., deletes: _Optional[int] = ..., checksum_errors: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_passes: _Optional[int] = ..., corrupt_chunks_removed: _Optional[int] = ..., reads_paced: _Optional[int] = ..., paced_seconds: _Optional[float] = ..., writes_deferred: _Optional[int] = ..., deferred_seconds: _Optional[float] = ...) -> None: ...
 
 class StatReply(_message.Message):
     __slots__ = ("server_id", "failure_domain", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "io_engine", "io_mode", "counters", "data_address", "tenant_reads")

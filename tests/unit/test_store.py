@@ -176,3 +176,24 @@ async def test_cancelled_writes_and_reads_finish_and_leave_the_store_whole(make_
         assert reopened.chunk_count == len(datas) + 1  # the index names each slot once
     finally:
         reopened.close()
+
+
+async def test_reads_first_a_write_waits_for_the_client_reads_in_flight(make_store):
+    store = make_store(write_yield=60.0)  # a write that waits at all waits for the read's end
+    await put(store, b"r", os.urandom(100_000))
+    _, plan = store.plan_reads([(b"r", 0, 0)])  # a client read in flight
+    write = asyncio.create_task(put(store, b"w", os.urandom(100_000)))
+    deadline = asyncio.get_running_loop().time() + 30
+    while not store.writes_waiting:  # the write reaches the disk's door, and waits there
+        assert asyncio.get_running_loop().time() < deadline and not write.done()
+        await asyncio.sleep(0.01)
+    assert store.get(b"w") is None
+    store.release(plan)  # the read ends: the write goes on
+    assert await asyncio.wait_for(write, 30) is True
+    assert (store.counters.writes_deferred, store.writes_waiting) == (1, 0) and store.counters.deferred_seconds > 0
+    # the scrubber's reads are not waited for, nor is an idle disk
+    _, plan = store.plan_reads([(b"r", 0, 0)], client=False)
+    assert await asyncio.wait_for(put(store, b"w2", os.urandom(100_000)), 30) is True
+    store.release(plan, client=False)
+    assert await asyncio.wait_for(put(store, b"w3", os.urandom(100_000)), 30) is True
+    assert store.counters.writes_deferred == 1
