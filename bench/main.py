@@ -227,14 +227,19 @@ def _vllm(args) -> int:
     with _scratch() as root:
         report = run_vllm(root, args.tokens, args.chunkservers, log=console.print)
     table = Table(title=f"time to first token in vLLM, {args.tokens}-token prompt (seconds, bytes)")
-    for col in ("", "first token s", "tokens from kvfs", "bytes loaded", "worker load s", "worker snapshot s",
-                "scheduler MatchPrefix s"):
+    for col in ("", "first token s", "tokens from kvfs", "bytes loaded", "worker load s", "of it restore s",
+                "forward waited s", "worker snapshot s", "scheduler MatchPrefix s"):
         table.add_column(col, justify="right")
     for phase in ("miss", "hit", "salted miss", "salted hit"):
         r = report[phase]
         table.add_row(phase, f"{r['ttft_s']:.3f}", str(r["num_cached_tokens"]), str(r["bytes_loaded"]),
-                      f"{r['worker_load_s']:.4f}", f"{r['worker_snapshot_s']:.4f}", f"{r['scheduler_lookup_s']:.4f}")
+                      f"{r['worker_load_s']:.4f}", f"{r['worker_restore_s']:.4f}", f"{r['forward_waited_s']:.4f}",
+                      f"{r['worker_snapshot_s']:.4f}", f"{r['scheduler_lookup_s']:.4f}")
     console.print(table)
+    sdk, hit, salted = report["sdk_restore"], report["hit"], report["salted hit"]
+    console.print(f"the worker's restore: {hit['restore_gbps']:.2f} GB/s (salted {salted['restore_gbps']:.2f}); "
+                  f"the SDK alone, same bytes and cluster: {sdk['gbps']:.2f} GB/s ({sdk['seconds'] * 1e3:.1f} ms), "
+                  f"so {hit['restore_over_sdk']:.2f} of it (salted {salted['restore_over_sdk']:.2f})")
     console.print(f"hit is {report['speedup']:.1f}x faster, salted hit {report['salted_speedup']:.1f}x; first-token "
                   f"logprobs differ by at most {report['max_logprob_diff']:.5f}")
     _write_json(args.json, {"bench": "vllm", **_host(), "config": {"tokens": args.tokens,

@@ -68,7 +68,9 @@ async def serve(cfg: ChunkserverConfig) -> None:
                                                    readiness.set_registered)) if cfg.meta else None)
     publishing = asyncio.create_task(readiness.publish_forever())
     scrubbing = asyncio.create_task(scrubber.run_forever())
-    watching = asyncio.create_task(watch_event_loop(log))
+    # the data path is the data port's threads: a coarse tick here is enough, and costs
+    # a fifth of the default's wake-ups (at 10 ms, ~2% of a core per idle server here)
+    watching = asyncio.create_task(watch_event_loop(log, tick=0.05))
     await until_signalled()
     watching.cancel()
     publishing.cancel()  # before the shutdown's NOT_SERVING, which nothing may undo

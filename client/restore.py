@@ -58,6 +58,7 @@ class RestoreStats:
     hedges: int = 0  # chunks also requested from another replica because their server was slow
     hedges_won: int = 0  # of those, chunks the hedge delivered first
     seconds: float = 0.0
+    finished_at: float = 0.0  # time.perf_counter() when the last byte was in
     per_server: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
 
     @property
@@ -113,14 +114,15 @@ class Restore:
         self._done = asyncio.Event()
         self._started = time.perf_counter()
         items = []
+        layer_bytes = layout.layer_bytes
         for b, block in enumerate(match.blocks[: self.blocks]):
             for c in block.chunks:
                 span = layout.span_of(c.offset, c.length)
                 need = [l for l in range(span.first_layer, span.last_layer + 1) if l in wanted]
                 if not need:
                     continue
-                lo = max(span.offset, need[0] * layout.layer_bytes)
-                hi = min(span.offset + span.length, (need[-1] + 1) * layout.layer_bytes)
+                lo = max(span.offset, need[0] * layer_bytes)
+                hi = min(span.offset + span.length, (need[-1] + 1) * layer_bytes)
                 sub = layout.span_of(lo, hi - lo)
                 holders = match.holders(c)
                 spec = ReadSpec(c.chunk_id, lo - span.offset, hi - lo, c.length, c.checksum,
@@ -285,7 +287,8 @@ class Restore:
     def _finish(self) -> None:
         if self._done.is_set():  # e.g. the late loser of a hedge
             return
-        self.stats.seconds = time.perf_counter() - self._started
+        self.stats.finished_at = time.perf_counter()
+        self.stats.seconds = self.stats.finished_at - self._started
         self._done.set()
         if self._on_done is not None:
             self._on_done(self.stats, self._error is not None)

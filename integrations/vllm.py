@@ -97,6 +97,7 @@ class _Load:
     usable: int = 0  # vLLM blocks of the request (from block 0) the restore covers
     started: float = 0.0
     seconds: float = 0.0  # from start_load_kv until the last layer was in the paged cache
+    waited: float = 0.0  # of it, what the forward pass spent blocked on this restore's layers
 
 
 class _Loop:
@@ -350,7 +351,9 @@ class KvfsConnector(KVConnectorBase_V1):
             if ld.restore is None:
                 continue
             try:
+                w0 = time.perf_counter()
                 self._loop.submit(ld.restore.layer_ready(layer)).result()
+                ld.waited += time.perf_counter() - w0
             except Exception as err:
                 log.warning("kvfs: restore of request %s failed at layer %d, recomputing: %s",
                             ld.spec.req_id, layer, err)
@@ -416,7 +419,10 @@ class KvfsConnector(KVConnectorBase_V1):
             if ok:
                 tokens, seconds = ok * self.vblock, ld.seconds
                 nbytes = tokens * self.layout.layers * self.layout.row_bytes
-                self._record(loaded_tokens=tokens, loaded_bytes=nbytes, load_seconds=seconds)
+                # the restore's own time: the worker's lookup, then the read until its last byte
+                restored = ld.restore.stats.finished_at - ld.started
+                self._record(loaded_tokens=tokens, loaded_bytes=nbytes, load_seconds=seconds,
+                             restore_seconds=restored, load_wait_seconds=ld.waited)
                 self.stats["loaded_block_ids"] = ld.spec.block_ids[:ok]
                 log.info("kvfs: request %s: loaded %d tokens (%d bytes) in %.1f ms", ld.spec.req_id, tokens,
                          nbytes, seconds * 1e3)

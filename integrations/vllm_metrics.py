@@ -35,12 +35,15 @@ COUNTERS = {
     "saved_bytes": "KV bytes written back to kvfs (payload, counted once, not per replica).",
     "save_failures": "Write-backs that failed: their prefixes stay uncached.",
     "snapshot_seconds": "Seconds spent copying newly computed blocks out of the paged cache for write-back.",
+    "load_wait_seconds": "Seconds the forward pass was blocked waiting for restored layers.",
 }
 # one observation per operation (a list in `data`); each is the histogram vllm:kvfs_<key>
 TIMINGS = {
     "lookup_seconds": ("lookups", "Scheduler-side kvfs lookup (MatchPrefix) of a new request."),
-    "load_seconds": ("loads", "A request's restore, from start_load_kv until its last layer was in the paged "
-                              "cache."),
+    "load_seconds": ("loads", "A request's load, from start_load_kv until its last layer was in the paged "
+                              "cache (the forward pass's layers before it included)."),
+    "restore_seconds": ("restores", "A request's restore alone: the worker's lookup and its read, from "
+                                    "start_load_kv until the last byte was in the staging buffer."),
     "save_seconds": ("saves", "A write-back, from its start until kvfs committed its blocks."),
 }
 

@@ -99,12 +99,13 @@ class BlockLayout:
         if (block + 1) * self.block_tokens > buffer_tokens:
             raise ValueError(f"block {block} does not fit a buffer of {buffer_tokens} tokens")
         pieces = []
+        layer_bytes = self.layer_bytes  # a property chain: once, not per layer (restores call this per chunk)
         stride = buffer_tokens * self.row_bytes  # one layer of the whole buffer
         pos = span.offset
         end = span.offset + span.length
         while pos < end:
-            layer, within = divmod(pos, self.layer_bytes)
-            n = min(self.layer_bytes - within, end - pos)
-            pieces.append((pos - span.offset, layer * stride + block * self.layer_bytes + within, n))
+            layer, within = divmod(pos, layer_bytes)
+            n = min(layer_bytes - within, end - pos)
+            pieces.append((pos - span.offset, layer * stride + block * layer_bytes + within, n))
             pos += n
         return pieces

@@ -169,9 +169,12 @@ def vllm_saw_the_save(llm, transfer_log: TransferLog, stored_bytes: int) -> None
     assert said["saved_blocks"] == 3 and said["saved_bytes"] == stored_bytes and said["lookups"] == 1
 
 
-def vllm_saw_the_load(llm, transfer_log: TransferLog, stored_bytes: int, load_seconds: float) -> None:
+def vllm_saw_the_load(llm, transfer_log: TransferLog, stored_bytes: int, stats: dict) -> None:
     """The hit's lookup and restore, in vLLM's metrics and log: the bytes kvfs holds for the prefix,
-    the tokens vLLM counted as the connector's."""
+    the tokens vLLM counted as the connector's; the restore alone within the load, and the forward's
+    wait for it within that."""
+    load_seconds = stats["load_seconds"]
+    assert 0 < stats["restore_seconds"] <= load_seconds and 0 <= stats["load_wait_seconds"] <= load_seconds
     saw = vllm_metrics(llm)
     llm.llm_engine.do_log_stats()
     said = transfer_log.totals()
@@ -180,8 +183,11 @@ def vllm_saw_the_load(llm, transfer_log: TransferLog, stored_bytes: int, load_se
     assert saw["loaded_tokens"] == MATCHED == saw["external_prefix_cache_hits"]
     assert saw["lookup_seconds"].count == 1 and saw["lookup_blocks"] == 3 and saw["matched_blocks"] == 3
     assert saw["load_seconds"].count == 1 and saw["load_seconds"].sum == pytest.approx(load_seconds)
+    assert saw["restore_seconds"].count == 1 and saw["restore_seconds"].sum == pytest.approx(stats["restore_seconds"])
     assert saw["load_failed_blocks"] == 0 and saw["saved_blocks"] == 0
     assert said["loaded_bytes"] == stored_bytes and said["loaded_tokens"] == MATCHED and said["loads"] == 1
+    assert said["restores"] == 1  # vLLM's reader truncates counters to ints: seconds are checked in its log
+    assert said.get("load_wait_seconds", 0) == pytest.approx(stats["load_wait_seconds"], abs=1e-4)
     assert said["matched_blocks"] == 3 and said["block_hit_ratio"] == 1
 
 
@@ -216,7 +222,7 @@ def save_then_load(local_cluster, model, transfer_log):
     assert stats["loaded_tokens"] == MATCHED and stats["load_failed_blocks"] == 0
     assert loaded == payload, "the paged blocks engine 2 loaded differ from the bytes engine 1 saved"
     assert lp1.keys() & lp2.keys() and diff <= LOGPROB_TOL
-    vllm_saw_the_load(llm, transfer_log, len(payload), stats["load_seconds"])
+    vllm_saw_the_load(llm, transfer_log, len(payload), stats)
     close(llm)
     transfer_log.lines.clear()
     return cluster, meta, lp1
