@@ -101,12 +101,13 @@ def _ttft(args) -> int:
                   f"{args.chunkservers} local chunkservers")
     report = asyncio.run(run_ttft(args.preset, lengths, args.chunkservers, log=console.print))
     table = Table(title=f"time to first token, recompute vs restore ({args.preset} model)")
-    for col in ("tokens", "recompute s", "restore s", "speedup", "restored MB", "restore GB/s", "hidden"):
+    for col in ("tokens", "recompute s", "restore s", "speedup", "restored MB", "restore GB/s", "SDK alone GB/s",
+                "/ SDK", "hidden"):
         table.add_column(col, justify="right")
     for r in report["rows"]:
         table.add_row(str(r["tokens"]), f"{r['ttft_recompute_s']:.2f}", f"{r['ttft_restore_s']:.3f}",
                       f"{r['speedup']:.1f}x", f"{r['bytes_restored'] / 1e6:.0f}", f"{r['restore_gbps']:.2f}",
-                      f"{r['hidden_fraction']:.0%}")
+                      f"{r['sdk_restore_gbps']:.2f}", f"{r['restore_over_sdk']:.2f}", f"{r['hidden_fraction']:.0%}")
     console.print(table)
     _write_json(args.json, {"bench": "ttft", **_host(), "config": {"preset": args.preset, "tokens": lengths,
                                                                     "chunkservers": args.chunkservers},

@@ -69,6 +69,7 @@ def test_ttft_bench_report_shape(tmp_path):
         assert abs(r["speedup"] - r["ttft_recompute_s"] / r["ttft_restore_s"]) < 1e-9
         assert r["bytes_restored"] == (r["tokens"] // 64) * 64 * 2 * 48 * 2  # blocks x tokens x layers x kv_dim x bf16
         assert 0 <= r["hidden_fraction"] <= 1
+        assert r["sdk_restore_gbps"] > 0 and abs(r["restore_over_sdk"] - r["restore_gbps"] / r["sdk_restore_gbps"]) < 1e-9
     assert "speedup" in stdout
 
 
