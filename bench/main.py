@@ -359,6 +359,9 @@ def _meta_tables(r: dict) -> None:
                   f"{r['metaserver']['log_warnings']} warning/error lines"
                   + (f"; it had exited with {rs['exit_code']} before the restart" if rs["exit_code"] else "")
                   + (f"; restart: {rs['error']}" if rs.get("error") else ""))
+    if r["metaserver"].get("stall_sites"):
+        console.print("where the metaserver's event loop was seen held past 50 ms (samples every 10 ms):\n" + "\n".join(
+            f"  {n:5d}  {site}" for site, n in r["metaserver"]["stall_sites"]), markup=False, highlight=False)
     if "log_tail" in r["metaserver"]:
         console.print("metaserver log tail:\n" + r["metaserver"]["log_tail"], markup=False, highlight=False)
 

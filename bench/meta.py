@@ -336,6 +336,19 @@ async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress
         await run.close()
 
 
+def stall_sites(lines: list[str], n: int = 5) -> list[tuple[str, int]]:
+    """Where a server's loop was held, from its log's stall lines ("held at"
+    sites, kvfs.serving.StallSampler): the `n` sampled most, with their samples."""
+    sites: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        if "event loop held" in line and "; held at " in line:
+            for part in line.split("; held at ", 1)[1].split("), "):
+                site, _, samples = part.rstrip(")").rpartition(" (")
+                if samples.endswith(" samples"):
+                    sites[site] += int(samples.split()[0])
+    return sites.most_common(n)
+
+
 class _Run:
     def __init__(self, root: pathlib.Path, cfg: MetaBenchConfig, log, progress):
         self.root, self.cfg, self.log, self.progress = root, cfg, log, progress
@@ -394,6 +407,7 @@ class _Run:
         report["answers"] = {"lookups": sum(r["count"] for r in lookups), "wrong": sum(r["wrong"] for r in lookups),
                              "errors": sum(sum(r["errors"].values()) for r in lookups)}
         report["metaserver"]["log_warnings"] = self._log_warnings()
+        report["metaserver"]["stall_sites"] = self._stall_sites()
         if report["answers"]["wrong"] or report["answers"]["errors"] or not self.meta.alive() \
                 or report["fill"]["failed_batches"] or report["restart"].get("error"):
             report["metaserver"]["log_tail"] = self.meta.log_tail(40)
@@ -465,11 +479,16 @@ class _Run:
         return None
 
     def _log_warnings(self) -> int:
+        return sum(" WARNING " in line or " ERROR " in line for line in self._log_lines())
+
+    def _stall_sites(self) -> list[tuple[str, int]]:
+        return stall_sites(self._log_lines())
+
+    def _log_lines(self) -> list[str]:
         try:
-            text = self.meta.log_path.read_text(errors="replace")
+            return self.meta.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return 0
-        return sum(" WARNING " in line or " ERROR " in line for line in text.splitlines())
+            return []
 
     # ---- phases -----------------------------------------------------------
 

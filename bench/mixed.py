@@ -23,7 +23,6 @@ import asyncio
 import multiprocessing
 import os
 import pathlib
-import random
 import statistics
 import tempfile
 import time
@@ -37,21 +36,12 @@ from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
 from .io import raw_write
+from .tenants import percentile, tokens
 
 console = Console()
 NS = Namespace("bench", "mixed")
 LAYOUT = BlockLayout.mla()
 REPLICAS = 2
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1 << 17) for _ in range(n)]
 
 
 def _write_backs(meta: str, n_tokens: int, loops: int, transport: str, stop, written, failed) -> None:

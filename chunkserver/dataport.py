@@ -607,9 +607,8 @@ class DataServer(socketserver.ThreadingTCPServer):
         self.tls = tls_context  # TCP connections speak mutual TLS; None: --insecure, plaintext
         self.read_buffers = BufferBudget(store.cfg.data_read_buffers)
         self.write_buffers = BufferBudget(store.cfg.data_write_buffers)
-        self.write_seconds = metrics.write_seconds
-        reads = metrics.reads
-        self.reads = reads  # by transport (metrics.TRANSPORTS)
+        self.write_seconds = metrics.write_seconds  # by transport: "tcp", "local" (and "grpc", not ours)
+        self.reads = metrics.reads  # by transport (metrics.TRANSPORTS)
         self.cluster_key = cluster_key  # checks read grants; None: --insecure, none asked for
         self.request_timeout = request_timeout
         self.peer_connections = peer_connections

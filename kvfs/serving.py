@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
+import pathlib
 import signal
+import sys
+import threading
 import time
 
 import grpc
@@ -171,15 +175,79 @@ class LoopStats:
                 self.over_busy[i] += busy
 
 
+# where our code lies: kvfs/ and, from a checkout, the packages beside it (pyproject.toml maps them)
+_SOURCE_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+_OURS = {"kvfs", "metaserver", "chunkserver", "client", "engine", "cli", "bench", "integrations", "tests"}
+
+
+class StallSampler:
+    """Where the event loop's thread is while the loop is held. A thread of its own
+    wakes every `every` seconds and, once the watcher (watch_event_loop, which
+    keeps `stats.last_tick`) has not woken for `after` seconds, takes the loop
+    thread's Python stack (sys._current_frames) and counts the innermost frames of
+    ours in it, so that a stall's log line says where the loop was, not only how
+    long. It needs the GIL to look: a stall inside one long C call is seen at the
+    Python frame that made it, once the call lets go. Start it on the loop's thread."""
+
+    FRAMES = 3  # of our code, innermost first, per site
+
+    def __init__(self, stats: LoopStats, after: float = STALL_BOUNDS[1], every: float = 0.01):
+        self.stats, self.after, self.every = stats, after, every
+        self.loop_thread = threading.get_ident()
+        self._sites: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-sampler", daemon=True)
+
+    def start(self) -> StallSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            last = self.stats.last_tick
+            if last is None or time.monotonic() - last - self.stats.tick < self.after:
+                continue
+            frame = sys._current_frames().get(self.loop_thread)
+            if frame is not None:
+                site = self.site(frame)
+                with self._lock:
+                    self._sites[site] += 1
+
+    @classmethod
+    def site(cls, frame) -> str:
+        """The innermost FRAMES frames of our code on a stack, innermost first."""
+        ours = []
+        while frame is not None and len(ours) < cls.FRAMES:
+            path = frame.f_code.co_filename
+            rel = os.path.relpath(path, _SOURCE_ROOT) if path.startswith(_SOURCE_ROOT + os.sep) else ""
+            if rel.split(os.sep, 1)[0] in _OURS:
+                ours.append(f"{rel}:{frame.f_lineno} {frame.f_code.co_name}")
+            frame = frame.f_back
+        return " < ".join(ours) or "outside kvfs (the event loop or a library)"
+
+    def take(self, n: int = 3) -> list[tuple[str, int]]:
+        """The `n` sites seen most since the last take, with their samples; forgets them."""
+        with self._lock:
+            top, self._sites = self._sites.most_common(n), collections.Counter()
+        return top
+
+
 async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, threshold: float = 0.1,
-                           tick: float = 0.01) -> None:
+                           tick: float = 0.01, sampler: StallSampler | None = None) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
     that time the loop's thread, and the whole process, were on the CPU: the
     thread most of it, our own code held the loop; the process but not the
     thread, another thread held the GIL; neither, the machine did not run us (other
     processes had the cores). At most one line every STALL_REPORT_EVERY seconds.
-    Every stall longer than STALL_BOUNDS[0] is counted in `stats`."""
+    Every stall longer than STALL_BOUNDS[0] is counted in `stats`. With a
+    `sampler` (on `stats`), the line also says where the loop's thread was seen
+    while held: the sites sampled most, with their samples."""
     worst, count, reported = 0.0, 0, time.monotonic()
     if stats is not None:
         stats.tick, stats.last_tick = tick, reported
@@ -195,9 +263,11 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
             if held > worst:
                 worst, thread, process = held, time.thread_time() - thread0, time.process_time() - process0
         if count and now - reported >= STALL_REPORT_EVERY:
+            sites = sampler.take() if sampler is not None else []
+            where = "; held at " + ", ".join(f"{site} ({n} samples)" for site, n in sites) if sites else ""
             log.warning("event loop held up to %.0f ms (on the CPU meanwhile: %.0f ms this thread, %.0f ms the "
-                        "process); %d times over %.0f ms in the last %.0f s", 1e3 * worst, 1e3 * thread,
-                        1e3 * process, count, 1e3 * threshold, now - reported)
+                        "process); %d times over %.0f ms in the last %.0f s%s", 1e3 * worst, 1e3 * thread,
+                        1e3 * process, count, 1e3 * threshold, now - reported, where)
             worst, count, reported = 0.0, 0, now
 
 

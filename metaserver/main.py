@@ -10,8 +10,9 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
-from kvfs.serving import (LoopStats, MetricsServer, add_introspection, bound_address, cluster_key, credentials, grpc_server,
-                          run_server, until_signalled, watch_event_loop, write_ready_file)
+from kvfs.serving import (STALL_BOUNDS, LoopStats, MetricsServer, StallSampler, add_introspection, bound_address,
+                          cluster_key, credentials, grpc_server, run_server, until_signalled, watch_event_loop,
+                          write_ready_file)
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
@@ -56,7 +57,9 @@ async def serve(cfg: MetaserverConfig) -> None:
              100 * cfg.evict_low)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
              asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever()),
-             asyncio.create_task(watch_event_loop(log, loop))]
+             # stalls over 50 ms logged (issue 13's bar), with where the loop was held
+             asyncio.create_task(watch_event_loop(log, loop, threshold=STALL_BOUNDS[1],
+                                                  sampler=StallSampler(loop).start()))]
     write_ready_file(cfg.ready_file, address, metrics.address if metrics else "")
     if cfg.rebuild:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))

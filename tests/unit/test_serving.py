@@ -7,6 +7,7 @@ import time
 import pytest
 
 from kvfs import serving
+from kvfs.bench.meta import stall_sites
 
 
 @pytest.mark.asyncio
@@ -40,3 +41,34 @@ async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, c
     assert 0.2 <= stats.stalled_s <= stats.stalled_now() and stats.stalled_s < 5
     if not busy:
         assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
+
+
+def hold_the_loop_here(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.asyncio
+async def test_a_stall_line_says_where_the_loop_was_held(caplog, monkeypatch):
+    monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
+    log = logging.getLogger("test.watch")
+    stats = serving.LoopStats()
+    sampler = serving.StallSampler(stats, after=0.05, every=0.005).start()
+    watcher = asyncio.create_task(serving.watch_event_loop(log, stats, threshold=0.05, sampler=sampler))
+    try:
+        await asyncio.sleep(0.05)
+        hold_the_loop_here(0.4)  # Python code: the sampler gets the GIL every switch interval and looks
+        deadline = time.monotonic() + 5
+        while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        watcher.cancel()
+        sampler.stop()
+    (line,) = [r.getMessage() for r in caplog.records if "event loop held" in r.getMessage()]
+    assert "; held at tests/unit/test_serving.py:" in line and "hold_the_loop_here" in line, line
+    assert sampler.take() == []  # what was reported is forgotten
+    # kvfs-bench meta reads them back out of the log, summed over its lines
+    ((site, samples),) = stall_sites([f"2026-12-01 12:00:00 WARNING kvfs.metaserver: {line}"] * 2, n=1)
+    assert site.startswith("tests/unit/test_serving.py:") and "hold_the_loop_here" in site
+    assert samples == 2 * int(line.rsplit(" (", 1)[1].split()[0])
