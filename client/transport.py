@@ -516,6 +516,10 @@ class _Connection:
                 if h.kind == wire.STATUS:
                     code, message = wire.parse_status(h, body)
                     err = from_code(code, f"{message} (from {self.address})")
+                    if isinstance(p, _PendingWrite) and code == 3:
+                        # the frame itself refused (a server that predates WRITE answers "unknown request
+                        # kind"): the caller may write over gRPC, which refuses what is really malformed
+                        err = Unavailable(f"{self.address} refused the write's frame: {message}")
                     self._complete(p, err if isinstance(p, _PendingWrite) else [err] * len(p.specs))
                     continue
                 if isinstance(p, _PendingWrite) or h.kind == wire.WRITE_REPLY:
