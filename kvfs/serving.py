@@ -184,17 +184,22 @@ class StallSampler:
     """Where the event loop's thread is while the loop is held. A thread of its own
     wakes every `every` seconds and, once the watcher (watch_event_loop, which
     keeps `stats.last_tick`) has not woken for `after` seconds, takes the loop
-    thread's Python stack (sys._current_frames) and counts the innermost frames of
-    ours in it, so that a stall's log line says where the loop was, not only how
-    long. It needs the GIL to look: a stall inside one long C call is seen at the
-    Python frame that made it, once the call lets go. Start it on the loop's thread."""
+    thread's Python stack (sys._current_frames) and notes the innermost frames of
+    ours in it. When the stall ends, its samples are kept if it lasted over
+    `keep_over` (the stalls worth a log line) and dropped otherwise, so that a
+    stall's log line says where the loop was, not only how long. It needs the GIL
+    to look: a stall inside one long C call is seen at the Python frame that made
+    it, once the call lets go. Start it on the loop's thread."""
 
     FRAMES = 3  # of our code, innermost first, per site
 
-    def __init__(self, stats: LoopStats, after: float = STALL_BOUNDS[1], every: float = 0.01):
-        self.stats, self.after, self.every = stats, after, every
+    def __init__(self, stats: LoopStats, after: float = STALL_BOUNDS[0], every: float = 0.01,
+                 keep_over: float = STALL_BOUNDS[1]):
+        self.stats, self.after, self.every, self.keep_over = stats, after, every, keep_over
         self.loop_thread = threading.get_ident()
         self._sites: collections.Counter[str] = collections.Counter()
+        self._held_since: float | None = None  # stats.last_tick of the stall being sampled
+        self._held: list[str] = []  # its samples
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-sampler", daemon=True)
@@ -210,13 +215,28 @@ class StallSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             last = self.stats.last_tick
-            if last is None or time.monotonic() - last - self.stats.tick < self.after:
+            if last is None:
                 continue
+            with self._lock:
+                self._settle(last)
+                if time.monotonic() - last - self.stats.tick < self.after:
+                    continue
             frame = sys._current_frames().get(self.loop_thread)
             if frame is not None:
                 site = self.site(frame)
                 with self._lock:
-                    self._sites[site] += 1
+                    if self._held_since in (None, last):
+                        self._held_since = last
+                        self._held.append(site)
+
+    def _settle(self, last: float) -> None:
+        """Once the watcher has woken since the stall being sampled (`last` moved),
+        keeps its samples if it lasted over keep_over. Under the lock."""
+        if self._held_since is None or last == self._held_since:
+            return
+        if last - self._held_since - self.stats.tick > self.keep_over:
+            self._sites.update(self._held)
+        self._held_since, self._held = None, []
 
     @classmethod
     def site(cls, frame) -> str:
@@ -231,8 +251,11 @@ class StallSampler:
         return " < ".join(ours) or "outside kvfs (the event loop or a library)"
 
     def take(self, n: int = 3) -> list[tuple[str, int]]:
-        """The `n` sites seen most since the last take, with their samples; forgets them."""
+        """The `n` sites seen most in the stalls kept since the last take (the one
+        that just ended included), with their samples; forgets them."""
         with self._lock:
+            if self.stats.last_tick is not None:
+                self._settle(self.stats.last_tick)
             top, self._sites = self._sites.most_common(n), collections.Counter()
         return top
 

@@ -72,3 +72,27 @@ async def test_a_stall_line_says_where_the_loop_was_held(caplog, monkeypatch):
     ((site, samples),) = stall_sites([f"2026-12-01 12:00:00 WARNING kvfs.metaserver: {line}"] * 2, n=1)
     assert site.startswith("tests/unit/test_serving.py:") and "hold_the_loop_here" in site
     assert samples == 2 * int(line.rsplit(" (", 1)[1].split()[0])
+
+
+def held_briefly_here(seconds: float) -> None:
+    hold_the_loop_here(seconds)
+
+
+@pytest.mark.asyncio
+async def test_only_the_stalls_worth_a_line_leave_their_samples():
+    stats = serving.LoopStats()
+    sampler = serving.StallSampler(stats, after=0.01, every=0.003, keep_over=0.15).start()
+    watcher = asyncio.create_task(serving.watch_event_loop(logging.getLogger("test.watch"), stats, threshold=1.0,
+                                                           tick=0.002))
+    try:
+        await asyncio.sleep(0.05)
+        held_briefly_here(0.04)  # sampled while held, then dropped: it ended under keep_over
+        await asyncio.sleep(0.05)
+        hold_the_loop_here(0.4)
+        await asyncio.sleep(0.05)
+        sites = sampler.take(5)
+    finally:
+        watcher.cancel()
+        sampler.stop()
+    assert sites and all("held_briefly_here" not in site for site, _ in sites), sites
+    assert "hold_the_loop_here" in sites[0][0] and sites[0][1] >= 10, sites
