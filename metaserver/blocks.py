@@ -521,7 +521,7 @@ class BlockTable:
                         self.leaf(batch, victim_key(prow.rank, prow.last_used, prow.depth, old_parent))
             batch.delete(expiry_key(old.last_used + old.ttl, full))
             self.unleaf(batch, victim_key(old.rank, old.last_used, old.depth, full))
-            batch.delete(SHORT + full)
+            self.unqueue(batch, full)
             for n in old.servers:
                 batch.delete(replica_key(n, full))
             garbage += self.stored_chunks(old)
@@ -613,7 +613,7 @@ class BlockTable:
             staged.leaves.discard(vkey)  # a leaf since earlier in this batch: never stored
         else:
             self.unleaf(b, vkey)
-        b.delete(SHORT + full)
+        self.unqueue(b, full)
         for n in row.servers:
             b.delete(replica_key(n, full))
         staged.removed[full] = row
@@ -780,6 +780,14 @@ class BlockTable:
         prefix = replica_prefix(server)
         start = prefix + after + b"\x00" if after else prefix
         return [k[-FULL:] for k, _ in self.db.scan(prefix, start=start, limit=limit)]
+
+    def unqueue(self, batch: Batch, full: bytes) -> None:
+        """Takes a removed block off repair's queue, if it is on it. Never a blind
+        delete: every removed block leaving a tombstone at the queue's front made each
+        repair round's scan of it (short_blocks) step over all of them, ~100 ms on the
+        event loop every 2 s after 400K evictions at 10M blocks."""
+        if self.db.get(SHORT + full) is not None:
+            batch.delete(SHORT + full)
 
     def short_blocks(self, limit: int = 1024, after: bytes = b"") -> list[bytes]:
         """Blocks known short of copies (repair's queue), in key order after `after`."""

@@ -562,3 +562,32 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
     assert results == list("abcdefgh") and len(seen) == 40
     assert len(set(seen)) == len(seen)  # no two steps in one turn
     assert not gate.locked()
+
+
+def test_a_removed_block_leaves_no_tombstone_on_repairs_queue_unless_it_was_on_it(make_state, tmp_path):
+    """Removing a block deletes its repair-queue entry only if it has one: blind deletes
+    of every evicted block's entry piled tombstones at the queue's front, which each
+    repair round's scan stepped over on the event loop (~100 ms at 10M blocks)."""
+    import shutil
+
+    from kvfs.metaserver.records import SHORT
+
+    def deletes_expiring(queued: bool) -> int:
+        shutil.rmtree(tmp_path / "meta", ignore_errors=True)  # the same state from scratch each time
+        clock = Clock()
+        state = make_state(clock)
+        keys = block_keys(NS, range(32), 4)  # 8 blocks
+        write(state, keys, "short")
+        if queued:  # found short of copies, as repair's scan queues them
+            for key in keys:
+                state.db.put(SHORT + NS.digest + key, b"")
+        count = lambda: state.db.db.property_int_value("rocksdb.num-deletes-active-mem-table")  # noqa: E731
+        before = count()
+        clock.now += 30
+        assert state.expire_blocks()
+        assert len(state.blocks) == 0 and state.blocks.short_blocks() == []
+        took = count() - before
+        state.close()
+        return took
+
+    assert deletes_expiring(queued=True) - deletes_expiring(queued=False) == 8  # one per queued block
