@@ -12,15 +12,7 @@ from kvfs import wire
 from kvfs.client.transport import DataWriter
 from kvfs.errors import PermissionDenied, Unavailable
 
-
-def recv_exactly(sock, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("closed")
-        buf += part
-    return buf
+from helpers import recv_exactly
 
 
 class FakePort:
