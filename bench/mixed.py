@@ -20,7 +20,6 @@ chunkservers deferred.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import pathlib
 import statistics
@@ -36,7 +35,7 @@ from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
 from .io import raw_write
-from .tenants import percentile, tokens
+from .tenants import SPAWN, in_own_process, percentile, tokens
 
 console = Console()
 NS = Namespace("bench", "mixed")
@@ -119,23 +118,12 @@ def one_config(root: pathlib.Path, write_yield: str, restore_tokens: int, write_
         raw = raw_write(root / "raw-write", 2 << 30, chunkservers, io_mode == "direct")
         pool = BufferPool(arena_bytes=restorers * LAYOUT.buffer_bytes(restore_tokens) + (1 << 20))
         alone = asyncio.run(_restores(cluster.meta_address, prompt, seconds, restorers, transport, pool))
-        ctx = multiprocessing.get_context("spawn")
-        stop, written, failed = ctx.Event(), ctx.Value("Q", 0), ctx.Value("Q", 0)
-        proc = ctx.Process(target=_write_backs, args=(cluster.meta_address, write_tokens, writers, transport,
-                                                      stop, written, failed))
-        proc.start()
-        try:
-            deadline = time.monotonic() + 60
-            while written.value == 0 and time.monotonic() < deadline and proc.is_alive():
-                time.sleep(0.05)  # the write-backs under way before the restores are timed
-            t0, w0 = time.perf_counter(), written.value
+        stop, written, failed = SPAWN.Event(), SPAWN.Value("Q", 0), SPAWN.Value("Q", 0)
+        with in_own_process(_write_backs, (cluster.meta_address, write_tokens, writers, transport, stop, written,
+                                           failed), stop, written):
+            t0, w0 = time.perf_counter(), written.value  # the write-backs under way before the restores are timed
             mixed = asyncio.run(_restores(cluster.meta_address, prompt, seconds, restorers, transport, pool))
             write_rate = (written.value - w0) / (time.perf_counter() - t0)
-        finally:
-            stop.set()
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
         deferred, deferred_s = asyncio.run(_deferred(cluster))
     report = {"write_yield": write_yield, "alone": _summary(alone), "with_writes": _summary(mixed),
               "raw_write_gbps": raw, "write_gbps": write_rate / 1e9, "write_disk_gbps": REPLICAS * write_rate / 1e9,

@@ -14,6 +14,7 @@ Both configurations run on the same machine in one run, one after the other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import pathlib
@@ -44,6 +45,29 @@ def percentile(values: list[float], q: float) -> float:
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1 << 17) for _ in range(n)]
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def in_own_process(target, args: tuple, stop, progress):
+    """`target(*args)` in a spawned process of its own while the body runs, which
+    starts once the process has moved `progress` (a shared Value; at most 60 s, or
+    once it died); then the process is told to end through `stop` (an Event in its
+    args), and killed if it has not within 60 s."""
+    proc = SPAWN.Process(target=target, args=args)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while progress.value == 0 and time.monotonic() < deadline and proc.is_alive():
+            time.sleep(0.05)
+        yield proc
+    finally:
+        stop.set()
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _flood(meta: str, prompt: list[int], loops: int, transport: str, stop, moved) -> None:
@@ -106,22 +130,11 @@ def one_config(root: pathlib.Path, rate: int, a_tokens: int, b_tokens: int, floo
         asyncio.run(write())
         pool = BufferPool(arena_bytes=LAYOUT.buffer_bytes(a_tokens) + (1 << 20))
         alone = asyncio.run(_a_restores(cluster.meta_address, prompt_a, samples, interval, transport, pool))
-        ctx = multiprocessing.get_context("spawn")
-        stop, moved = ctx.Event(), ctx.Value("Q", 0)
-        proc = ctx.Process(target=_flood, args=(cluster.meta_address, prompt_b, flood, transport, stop, moved))
-        proc.start()
-        try:
-            deadline = time.monotonic() + 60
-            while moved.value == 0 and time.monotonic() < deadline and proc.is_alive():
-                time.sleep(0.05)  # B's flood under way before A measures
-            t0, b0 = time.perf_counter(), moved.value
+        stop, moved = SPAWN.Event(), SPAWN.Value("Q", 0)
+        with in_own_process(_flood, (cluster.meta_address, prompt_b, flood, transport, stop, moved), stop, moved):
+            t0, b0 = time.perf_counter(), moved.value  # B's flood under way before A measures
             flooded = asyncio.run(_a_restores(cluster.meta_address, prompt_a, samples, interval, transport, pool))
             b_rate = (moved.value - b0) / (time.perf_counter() - t0)
-        finally:
-            stop.set()
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
         paced = asyncio.run(_paced(cluster))
     return {"rate": rate, "alone_p50_ms": percentile(alone, 0.5) * 1e3, "alone_p99_ms": percentile(alone, 0.99) * 1e3,
             "flood_p50_ms": percentile(flooded, 0.5) * 1e3, "flood_p99_ms": percentile(flooded, 0.99) * 1e3,
