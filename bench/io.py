@@ -12,8 +12,9 @@ MLA prefix, and measures for each transport (grpc, tcp, shm):
               data port's local socket, on this host); GB/s of payload and of
               disk bytes, and the disk bytes over raw write;
 beside baselines measured in the same run:
-  raw       - the chunkservers' own io_uring reader, in this process, over the
-              same slot files (O_DIRECT when cold, page cache when warm);
+  raw       - the chunkservers' own reader (io_uring, or preadv where it
+              cannot run), in this process, over the same slot files
+              (O_DIRECT when cold, page cache when warm);
   raw write - the same disk bytes written to files beside the slot files, the
               way chunkservers write (O_DIRECT when cold, buffered when warm,
               then fdatasync), one writer thread per chunkserver;
@@ -38,7 +39,7 @@ import threading
 import time
 
 from kvfs.buffers import aligned_bytearray, byte_view
-from kvfs.chunkserver.uring import UringReader  # the server's reader, used here without a server
+from kvfs.chunkserver.uring import open_reader  # the server's reader, used here without a server
 from kvfs.client import BufferPool, Client
 from kvfs.keys import Namespace
 from kvfs.cli.launcher import LocalCluster, LaunchError
@@ -62,9 +63,10 @@ def drop_cache(files: list[pathlib.Path]) -> None:
             os.close(fd)
 
 
-async def raw_disk(files: list[pathlib.Path], direct: bool, depth: int = 32) -> float:
-    """GB/s of 1 MiB reads over whole slot files through the io_uring reader."""
-    reader = UringReader(256)
+async def raw_disk(files: list[pathlib.Path], direct: bool, depth: int = 32) -> tuple[float, str]:
+    """GB/s of 1 MiB reads over whole slot files through the chunkservers' reader (io_uring,
+    or preadv where it cannot run: the log says so), and that reader's name."""
+    reader = open_reader("auto", 256)
     fds = [os.open(p, os.O_RDONLY | (os.O_DIRECT if direct else 0)) for p in files]
     try:
         ops = [(fd, off) for fd, p in zip(fds, files) for off in range(0, p.stat().st_size, CHUNK)]
@@ -85,7 +87,7 @@ async def raw_disk(files: list[pathlib.Path], direct: bool, depth: int = 32) -> 
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(ops[i::depth]) for i in range(depth)))
-        return moved / (time.perf_counter() - t0) / 1e9
+        return moved / (time.perf_counter() - t0) / 1e9, reader.name
     finally:
         for fd in fds:
             os.close(fd)
@@ -350,8 +352,9 @@ async def run_io(tokens: int, layers: int, transports: list[str], caches: list[s
                 files = sorted((root / cache).glob("cs-*/slots/*/*.slots"))
                 if cache == "cold":
                     drop_cache(files)
-                entry["raw_gbps"] = raw = await raw_disk(files, direct=cache == "cold")
-                log(f"{cache}: raw io_uring read over the slot files {raw:.2f} GB/s")
+                raw, entry["raw_reader"] = await raw_disk(files, direct=cache == "cold")
+                entry["raw_gbps"] = raw
+                log(f"{cache}: raw {entry['raw_reader']} read over the slot files {raw:.2f} GB/s")
                 for t in transports:
                     with cluster.worker_env():
                         res = await transport_pass(cluster.meta_address, t, prompt, payload, layout, rounds,

@@ -1,19 +1,31 @@
-"""Batched disk reads: io_uring, with a preadv thread pool where the kernel refuses it.
+"""Batched disk reads: io_uring, with a preadv thread pool where io_uring cannot run.
 
 Both readers take a batch of (fd, offset, buffer) reads and return a
 concurrent.futures.Future of the per-read results (bytes read, or -errno). The
 io_uring reader owns its ring in one thread: callers queue batches and poke an
 eventfd; the ring posts completions to a second eventfd, so the thread sleeps
 in select() when idle and never polls.
+
+io_uring cannot run where the kernel refuses a ring (an OSError from its setup),
+or where the liburing binding's binary cannot run on this CPU: the package's
+2026.3 wheels are built with AVX-512 instructions, and on a CPU without them
+(an AMD EPYC with AVX2 only, for one) their first call kills the process with
+SIGILL, which nothing in the process can catch. So before the first ring, a
+child process sets one up (`binding_refused`, once per process); a child killed
+by a signal makes UringReader refuse with an OSError saying so.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import os
 import selectors
+import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -38,6 +50,26 @@ def settle(future: concurrent.futures.Future, result=None, exc: BaseException | 
         pass  # cancelled between the check and the set
 
 
+_PROBE = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); L.io_uring_queue_exit(r)"
+
+
+@functools.cache
+def binding_refused() -> str | None:
+    """Why the liburing binding cannot run here (its child process died by a signal
+    setting up a ring), or None. A child that fails otherwise (the kernel refusing
+    a ring) leaves that for UringReader to raise, with the kernel's errno."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return "a child process setting up an io_uring ring through liburing did not finish in 60 s"
+    if proc.returncode >= 0:
+        return None
+    name = signal.Signals(-proc.returncode).name
+    cause = " (its binary uses instructions this CPU lacks)" if name == "SIGILL" else ""
+    return (f"the liburing binding ({getattr(L, '__version__', '?')}) killed a child process with {name} "
+            f"setting up a ring{cause}")
+
+
 @dataclass(slots=True)
 class _Batch:
     ops: list[ReadOp]
@@ -52,6 +84,9 @@ class UringReader:
     name = "io_uring"
 
     def __init__(self, entries: int = 256):
+        why = binding_refused()
+        if why:
+            raise OSError(why)
         self._ring = L.Ring()
         L.io_uring_queue_init(entries, self._ring)  # OSError if the kernel refuses
         self._entries = entries
@@ -200,8 +235,9 @@ class PreadvReader:
 def open_reader(engine: str, entries: int) -> UringReader | PreadvReader:
     """The reader for `engine` ("auto", "io_uring" or "preadv").
 
-    "auto" tries io_uring and, if the kernel refuses to set up a ring, logs a
-    warning and falls back to preadv; "io_uring" fails instead.
+    "auto" tries io_uring and, if it cannot run (the kernel refuses a ring, or
+    the binding cannot run on this CPU), logs a warning and falls back to
+    preadv; "io_uring" fails instead.
     """
     if engine == "preadv":
         log.info("disk reads: preadv thread pool (io_engine=preadv)")
@@ -211,7 +247,7 @@ def open_reader(engine: str, entries: int) -> UringReader | PreadvReader:
     except OSError as err:
         if engine == "io_uring":
             raise
-        log.warning("kernel refused io_uring (%s); FALLING BACK to preadv in a thread pool", err)
+        log.warning("io_uring cannot run here (%s); FALLING BACK to preadv in a thread pool", err)
         return PreadvReader()
     log.info("disk reads: io_uring, %d entries", entries)
     return reader

@@ -3,13 +3,20 @@
 import errno
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
 from kvfs.buffers import address_of, aligned_bytearray
+from kvfs.chunkserver import uring
 from kvfs.chunkserver.uring import PreadvReader, UringReader, open_reader
 
 MiB = 1 << 20
+# The readers that can run on this machine: where the liburing binding cannot (its binary
+# needs instructions this CPU lacks), test_a_binding_that_cannot_run_here_is_refused_not_run
+# checks that it is refused rather than run
+READERS = ["io_uring", "preadv"] if uring.binding_refused() is None else ["preadv"]
 
 
 @pytest.fixture
@@ -20,9 +27,17 @@ def data_file(tmp_path):
     return path, data
 
 
-@pytest.fixture(params=["io_uring", "preadv"])
+@pytest.fixture(params=READERS)
 def reader(request):
     r = UringReader(64) if request.param == "io_uring" else PreadvReader()
+    yield r
+    r.close()
+
+
+@pytest.fixture(params=READERS)
+def small_reader(request):
+    """One with fewer ring entries (or threads) than the reads it is given."""
+    r = UringReader(4) if request.param == "io_uring" else PreadvReader(threads=2)
     yield r
     r.close()
 
@@ -40,9 +55,9 @@ def test_batch_reads_return_the_file_bytes(reader, data_file, flags):
         os.close(fd)
 
 
-def test_more_reads_than_ring_entries_all_complete(data_file):
+def test_more_reads_than_ring_entries_all_complete(small_reader, data_file):
     path, data = data_file
-    reader = UringReader(4)
+    reader = small_reader
     fd = os.open(path, os.O_RDONLY)
     try:
         bufs = [aligned_bytearray(64 * 1024) for _ in range(100)]
@@ -51,7 +66,6 @@ def test_more_reads_than_ring_entries_all_complete(data_file):
         assert b"".join(bufs) == data[: 100 * 65536]
     finally:
         os.close(fd)
-        reader.close()
 
 
 def test_errors_come_back_as_negative_errno(reader, data_file):
@@ -86,6 +100,33 @@ def test_auto_falls_back_to_preadv_when_the_kernel_refuses_a_ring(caplog):
         assert "FALLING BACK to preadv" in caplog.text
     finally:
         reader.close()
+
+
+def test_the_binding_probe_tells_the_truth(data_file, caplog):
+    # a ring set up in a child process: killed by a signal means the binding cannot run here
+    # (refused, and "auto" falls back, saying why); otherwise rings work in this process too
+    child = subprocess.run([sys.executable, "-c", uring._PROBE], capture_output=True, timeout=60)
+    why = uring.binding_refused()
+    assert (why is not None) == (child.returncode < 0)
+    if why is None:
+        path, data = data_file
+        reader = UringReader(8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            buf = aligned_bytearray(MiB)
+            assert reader.read_batch([(fd, MiB, buf)]).result(10) == [MiB] and bytes(buf) == data[MiB : 2 * MiB]
+        finally:
+            os.close(fd)
+            reader.close()
+        return
+    with pytest.raises(OSError, match="liburing binding"):
+        UringReader(8)
+    with caplog.at_level(logging.WARNING):
+        fallback = open_reader("auto", 64)
+    try:
+        assert fallback.name == "preadv" and "FALLING BACK to preadv" in caplog.text and "liburing" in caplog.text
+    finally:
+        fallback.close()
 
 
 def test_explicit_io_uring_does_not_fall_back():
