@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 
 EVICT_INLINE = 1024  # blocks a write may evict itself; the rest (down to the low watermark) in the background
 EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop at most
-# Of a slice's time, the share eviction spends picking blocks: writing what it picked (the rows cut
-# out of their groups, the index entries, one batch) comes after the deadline, and took about as long
-# again (measured in-process, 40K blocks: 2.5 ms slices for a 1.5 ms deadline, 1.4 ms at half of it)
-EVICT_PICKING = 0.5
 
 
 def run_steps(steps):
@@ -229,7 +225,7 @@ class MetaState:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
             was = self.blocks.cache_bytes
-            n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + EVICT_PICKING * SLICE_SECONDS)
+            n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + SLICE_SECONDS)
             freed += was - self.blocks.cache_bytes
             evicted += n
             if not n:
@@ -392,8 +388,7 @@ class MetaState:
         if not capacity or not (self.evicting or self.over_high()):
             return 0  # no live capacity at all: nothing to measure against, nothing goes
         need = self.blocks.cache_bytes + self.allocations.incoming_bytes() - int(self.cfg.evict_low * capacity)
-        n = self._evict(need, frozenset(), limit,
-                        time.perf_counter() + EVICT_PICKING * seconds if seconds is not None else None)
+        n = self._evict(need, frozenset(), limit, time.perf_counter() + seconds if seconds is not None else None)
         # stop at the low watermark, or when nothing more can go now
         self.evicting = n > 0 and self.blocks.cache_bytes + self.allocations.incoming_bytes() > int(
             self.cfg.evict_low * capacity)
