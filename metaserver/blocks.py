@@ -485,7 +485,8 @@ class BlockTable:
                 if value[KEY_BYTES * k : KEY_BYTES * (k + 1)] == key:  # else gone meanwhile
                     updates.append((g, ns + key, k, groups.uses(value, rests[g], k), count, last))
         batch = Batch()
-        old_victims = [victim_key(old[5], old[1], old[2], f) for _, f, _, old, _, _ in updates]
+        old_victims = [victim_key(rank, last_used, depth, f)
+                       for _, f, _, (_, last_used, depth, _, _, rank), _, _ in updates]
         is_leaf = self.db.db.get(old_victims) if old_victims else []
         changes: dict[int, list] = {}
         for (g, full, k, old, count, last), old_victim, leaf in zip(updates, old_victims, is_leaf):

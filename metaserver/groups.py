@@ -125,9 +125,9 @@ def uses(value: bytes, rests: tuple[int, tuple[int, ...]], offset: int) -> tuple
 
 def with_uses(value: bytes, rests: tuple[int, tuple[int, ...]],
               changes: list[tuple[int, tuple[int, float, int, int, float, float]]]) -> bytes:
-    """A group's value with the rows in slots `offset` given new (ttl, last use, depth,
-    hits, created, rank), and their expiry times to match, each written over the old
-    in place: a flush of hits repacks nothing."""
+    """A group's value with each changed slot's (ttl, last use, depth, hits, created,
+    rank) and its expiry time to match written over the old bytes: a flush of hits
+    repacks nothing (`changes`: (slot in the group, those fields))."""
     out = bytearray(value)
     for offset, fields in changes:
         USE.pack_into(out, rests[0] + rests[1][offset] + USE_AT, *fields)

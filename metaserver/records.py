@@ -139,7 +139,7 @@ _HEAD = struct.Struct("<BBHIdIIddQQQ16sB")
 # the header's fields a hit changes, and those it is computed from: (ttl, last use, depth,
 # hits, created, rank), fixed-width at USE_AT, so a flush of hits rewrites them in place
 USE = struct.Struct("<IdIIdd")
-USE_AT = _KEY + 4
+USE_AT = _KEY + struct.calcsize("<BBH")  # after the version, flags and server count
 _SLOT = struct.Struct("<Q")
 _SLOT_AT = _KEY + struct.calcsize("<BBHIdIIddQQ")  # where the header holds the slot
 _PARENT_AT = _SLOT_AT + 8  # the parent's key
