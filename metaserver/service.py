@@ -163,7 +163,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @timed
     async def MatchPrefix(self, request, context):
         return self.state.match_bytes(namespace_digest(request.namespace, context), request.keys,
-                                      request.namespace.tenant)
+                                      request.namespace.tenant, request.joined_keys)
 
     @handles_errors
     async def TenantKey(self, request, context):

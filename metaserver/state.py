@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterable
 from kvfs.config import MiB
 from kvfs.errors import InvalidArgument, ResourceExhausted
 from kvfs.grants import owner_sealed, parse_owner, read_grant
+from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
-from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, SLICE_SECONDS, Allocations, check_keys
+from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, SLICE_SECONDS, Allocations, joined_keys
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
@@ -172,14 +173,15 @@ class MetaState:
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
                                      self._write_turns, self.reads)
 
-    def match_bytes(self, namespace_digest: bytes, keys: list[bytes], tenant: str = "") -> bytes:
+    def match_bytes(self, namespace_digest: bytes, keys, tenant: str = "", joined: bytes = b"") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is
-        `tenant`'s; with `tenant`, the lookup is metered under it."""
-        reply, hit, layout_bytes = self.blocks.match(namespace_digest, check_keys(keys, "MatchPrefix",
-                                                                                  self.cfg.max_keys))
+        `tenant`'s; with `tenant`, the lookup is metered under it. The keys are `keys`
+        or `joined` (MatchPrefixRequest's joined_keys): one of the two."""
+        want = joined_keys(keys, joined, "MatchPrefix", self.cfg.max_keys)
+        reply, hit, layout_bytes = self.blocks.match(namespace_digest, want)
         if tenant:
             layout = layout_of(meta_pb2.BlockLayout.FromString(layout_bytes)) if hit else None
-            self.blocks.usage.lookup(tenant, len(keys), hit, layout.block_tokens if layout else 0,
+            self.blocks.usage.lookup(tenant, len(want) // KEY_BYTES, hit, layout.block_tokens if layout else 0,
                                      layout.payload_bytes if layout else 0)
         if self.key is None:
             return reply

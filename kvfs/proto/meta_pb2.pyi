@@ -229,12 +229,14 @@ class TenantKeyReply(_message.Message):
     def __init__(self, key: _Optional[bytes] = ...) -> None: ...
 
 class MatchPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "joined_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    joined_keys: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., joined_keys: _Optional[bytes] = ...) -> None: ...
 
 class MatchPrefixReply(_message.Message):
     __slots__ = ("matched", "blocks", "servers", "read_grant", "layout")

@@ -144,3 +144,40 @@ async def test_the_largest_match_prefix_the_byte_limit_lets_through_costs_its_by
     # buffers, the lookups beside it and the allocator. Parsed, it took +549 to +598 MiB.
     assert grown < 3 * DEFAULT_LIMIT + 64 * MiB, f"a MatchPrefix of {DEFAULT_LIMIT // MiB} MiB grew the " \
                                                  f"metaserver {grown / MiB:.0f} MiB"
+
+
+async def test_malformed_or_oversized_joined_keys_are_refused_while_lookups_are_served(cluster, who):
+    """MatchPrefixRequest.joined_keys, the keys as one field: bounded and checked like
+    the repeated keys, the tenant checked as ever, each refusal a log line."""
+    tokens, _ = await write_and_restore(cluster, who.worker_a, NS, seed=54)
+    async with Client(cluster.meta_address, credentials=who.worker_a) as client:
+        joined = b"".join((await client.lookup(NS, tokens)).keys)
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+
+    def lookup(**fields) -> meta_pb2.MatchPrefixRequest:  # in the namespace the SDK wrote
+        return meta_pb2.MatchPrefixRequest(namespace=meta_pb2.Namespace(
+            tenant=NS.tenant, model=NS.model, cache_format=NS.cache_format), **fields)
+
+    async with tls.aio_channel(cluster.meta_address, who.worker_a, CHANNEL_OPTIONS) as ch, \
+            tls.aio_channel(cluster.meta_address, who.worker_b, CHANNEL_OPTIONS) as other:
+        meta, meta_b = meta_pb2_grpc.MetaServiceStub(ch), meta_pb2_grpc.MetaServiceStub(other)
+        async with Lookups(cluster, who.worker_a, NS, tokens, 3) as lookups:
+            for body, message in ((joined + b"x", "not a whole number of 16-byte keys"),
+                                  (joined + bytes(16), "16 zero bytes is not a block key"),
+                                  (b"\x01" * 16 * (MAX_KEYS + 1), f"at most {MAX_KEYS}")):
+                err = await refused(meta.MatchPrefix(lookup(joined_keys=body), timeout=30), invalid)
+                assert message in err.details(), err.details()
+            err = await refused(meta.MatchPrefix(lookup(keys=[joined[:16]], joined_keys=joined), timeout=30), invalid)
+            assert "one of the two" in err.details()
+            # past what max_keys keys take: refused unparsed, as the repeated form is
+            err = await refused(meta.MatchPrefix(lookup(joined_keys=b"\x01" * (MAX_KEYS * 18 + 65 * 1024)),
+                                                 timeout=30), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert "max_keys keys needs; unread" in err.details()
+            # tenant B's worker naming tenant A's namespace, its keys joined
+            err = await refused(meta_b.MatchPrefix(lookup(joined_keys=joined), timeout=30),
+                                grpc.StatusCode.PERMISSION_DENIED)
+            assert "tenant 'tenant-a'" in err.details()
+            assert (await meta.MatchPrefix(lookup(joined_keys=joined), timeout=30)).matched == 3
+    assert lookups.served > 0
+    log = cluster.meta.log_path.read_text()
+    assert "not a whole number of 16-byte keys" in log and "one of the two" in log

@@ -191,6 +191,32 @@ def test_bad_requests_are_invalid(make_state):
         state.commit(NS.digest, req)
 
 
+def test_joined_keys_match_as_the_keys_do_and_malformed_ones_are_invalid(make_state):
+    state = make_state()
+    keys = block_keys(NS, range(320), 4)  # 80 blocks: two row groups, written in two allocations
+    write(state, keys[:70])
+    write(state, keys[70:], parent=keys[69])
+    for n in (1, 64, 65, 80):
+        asked = keys[:n] + block_keys(NS, range(500, 512), 4)  # a miss after the hit
+        joined = state.match_bytes(NS.digest, (), joined=b"".join(asked))
+        assert joined == state.match_bytes(NS.digest, asked)
+        assert meta_pb2.MatchPrefixReply.FromString(joined).matched == n
+    # zero bytes across two keys are no zero key: a real digest may end or start with them
+    edge = [b"\x01" * 8 + bytes(8), bytes(8) + b"\x02" * 8]
+    assert state.match(NS.digest, edge).matched == 0
+    assert meta_pb2.MatchPrefixReply.FromString(
+        state.match_bytes(NS.digest, (), joined=b"".join(edge))).matched == 0
+    cases = {b"".join(keys[:2]) + b"x": "not a whole number of 16-byte keys",
+             b"".join(keys[:2]) + bytes(16): "16 zero bytes is not a block key",
+             b"\x01" * 16 * (state.cfg.max_keys + 1): f"at most {state.cfg.max_keys}"}
+    for joined, message in cases.items():
+        with pytest.raises(InvalidArgument, match=message):
+            state.match_bytes(NS.digest, (), joined=joined)
+    with pytest.raises(InvalidArgument, match="one of the two"):
+        state.match_bytes(NS.digest, keys[:1], joined=keys[1])
+    assert state.match(NS.digest, keys).matched == 80  # and nothing changed
+
+
 def test_no_chains_without_enough_failure_domains(make_state, tmp_path):
     cfg = MetaserverConfig(data_dir=str(tmp_path / "solo"), replicas=2)
     state = MetaState(cfg, Clock())
