@@ -332,13 +332,14 @@ def _meta_tables(r: dict) -> None:
                           f"{s.get('max_ms', 0):.1f}", _wrong(s), errors)
     console.print(table)
     table = Table(title="longest wait of a health Check sent every 10 ms by a probe process (ms), and the "
-                        "metaserver's event-loop stalls (all / with its loop's thread on the CPU), per phase")
+                        "metaserver's event-loop stalls (all / with its loop's thread on the CPU / waiting for a core), per phase")
     for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "stalls >50 ms", ">100 ms", "meanwhile"):
         table.add_column(col, justify="right")
     for name, p in r["phases"].items():
         pr = p["probe"]
         stalls = p.get("loop_stalls", {})
-        over = [f"{stalls[k]['count']} / {stalls[k]['busy']}" if k in stalls else "-" for k in ("50ms", "100ms")]
+        over = [f"{stalls[k]['count']} / {stalls[k]['busy']} / {stalls[k].get('waiting', 0)}" if k in stalls else "-"
+                for k in ("50ms", "100ms")]
         meanwhile = _meta_meanwhile(name, p)
         table.add_row(name, f"{p['seconds']:.1f}", str(pr["count"]), f"{pr.get('p50_ms', 0):.1f}",
                       f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), *over, meanwhile)

@@ -468,7 +468,8 @@ class _Run:
             if before is not None and after is not None:
                 entry["status_change"] = {k: getattr(after, k) - getattr(before, k) for k in STATUS_COUNTERS}
                 entry["loop_stalls"] = {f"{a.over_s * 1e3:.0f}ms": {"count": a.count - b.count,
-                                                                     "busy": a.busy_count - b.busy_count}
+                                                                     "busy": a.busy_count - b.busy_count,
+                                                                     "waiting": a.waiting_count - b.waiting_count}
                                         for a, b in zip(after.loop_stalls, before.loop_stalls)}
 
     async def _settle(self, timeout: float = 600) -> float | None:

@@ -36,12 +36,14 @@ def _human(n: float) -> str:
 
 
 def _stalls(status) -> str:
-    """'; event loop: 3 stalls over 100 ms (1 busy), the longest 180 ms' (nothing when none)."""
+    """'; event loop: 3 stalls over 100 ms (1 with its thread on the CPU, 1 waiting for a core), the
+    longest 180 ms' (nothing when none)."""
     over = [s for s in status.loop_stalls if s.over_s >= 0.1 and s.count]
     if not over:
         return ""
     return (f"; event loop: {over[0].count} stalls over {over[0].over_s * 1e3:.0f} ms ({over[0].busy_count} with "
-            f"its thread on the CPU), the longest {status.loop_longest_stall_s * 1e3:.0f} ms")
+            f"its thread on the CPU, {over[0].waiting_count} waiting for a core), the longest "
+            f"{status.loop_longest_stall_s * 1e3:.0f} ms")
 
 
 def _status_table(status) -> Table:

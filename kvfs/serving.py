@@ -137,14 +137,18 @@ STALL_BOUNDS = (0.025, 0.05, 0.1, 0.25, 1.0)  # seconds: LoopStats counts the st
 
 class LoopStats:
     """What watch_event_loop saw since the server started: per bound of
-    STALL_BOUNDS, how many stalls were longer, all of them (`over`) and those
+    STALL_BOUNDS, how many stalls were longer, all of them (`over`), those
     during which the loop's thread was on the CPU at least 80% of the time
     (`over_busy`: our own code held the loop, not other processes taking the
-    cores); and the longest stall."""
+    cores), and of the others those during which it spent at least half the
+    time runnable, waiting for a core (`over_waiting`: the machine's cores were
+    taken; the rest were blocked: on the disk, a lock, another thread holding the
+    GIL, or a stopped process); and the longest stall."""
 
     def __init__(self) -> None:
         self.over = [0] * len(STALL_BOUNDS)
         self.over_busy = [0] * len(STALL_BOUNDS)
+        self.over_waiting = [0] * len(STALL_BOUNDS)
         self.longest = 0.0
         self.tick = 0.0  # the watcher's timer
         self.stalled_s = 0.0  # every stall over STALL_BOUNDS[0], summed
@@ -159,20 +163,24 @@ class LoopStats:
         pending = time.monotonic() - self.last_tick - self.tick
         return self.stalled_s + (pending if pending > STALL_BOUNDS[0] else 0.0)
 
-    def woke(self, now: float, held: float, thread_cpu: float) -> None:
-        """The watcher's timer fired at `now` (monotonic), `held` seconds late."""
+    def woke(self, now: float, held: float, thread_cpu: float, waited: float = 0.0) -> None:
+        """The watcher's timer fired at `now` (monotonic), `held` seconds late; the
+        loop's thread was on the CPU `thread_cpu` of them and waited for a core
+        `waited` of them."""
         self.last_tick = now
         if held > STALL_BOUNDS[0]:
             self.stalled_s += held
-            self.record(held, thread_cpu)
+            self.record(held, thread_cpu, waited)
 
-    def record(self, held: float, thread_cpu: float) -> None:
+    def record(self, held: float, thread_cpu: float, waited: float = 0.0) -> None:
         self.longest = max(self.longest, held)
         busy = thread_cpu >= 0.8 * held
+        waiting = not busy and waited >= 0.5 * held
         for i, bound in enumerate(STALL_BOUNDS):
             if held > bound:
                 self.over[i] += 1
                 self.over_busy[i] += busy
+                self.over_waiting[i] += waiting
 
 
 # where our code lies: kvfs/ and, from a checkout, the packages beside it (pyproject.toml maps them)
@@ -260,38 +268,75 @@ class StallSampler:
         return top
 
 
+class RunQueueWait:
+    """How long the thread that made it has spent runnable but waiting for a core,
+    from Linux's /proc/thread-self/schedstat (its second field, in ns). None where
+    the kernel keeps no schedstat; then stalls are not told apart by it."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, threshold: float = 0.1,
                            tick: float = 0.01, sampler: StallSampler | None = None) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
-    that time the loop's thread, and the whole process, were on the CPU: the
-    thread most of it, our own code held the loop; the process but not the
-    thread, another thread held the GIL; neither, the machine did not run us (other
-    processes had the cores). At most one line every STALL_REPORT_EVERY seconds.
-    Every stall longer than STALL_BOUNDS[0] is counted in `stats`. With a
-    `sampler` (on `stats`), the line also says where the loop's thread was seen
-    while held: the sites sampled most, with their samples."""
+    that time the loop's thread was on the CPU, how much it waited for a core
+    (runnable, the cores taken by other threads or processes), and how much the
+    whole process was on the CPU: the thread most of it, our own code held the
+    loop; waiting most of it, the machine's cores were oversubscribed; the process
+    but not the thread, another thread held the GIL; none of them, the thread was
+    blocked (the disk, a lock) or the process stopped. At most one line every
+    STALL_REPORT_EVERY seconds. Every stall longer than STALL_BOUNDS[0] is counted
+    in `stats`. With a `sampler` (on `stats`), the line also says where the loop's
+    thread was seen while held: the sites sampled most, with their samples."""
     worst, count, reported = 0.0, 0, time.monotonic()
     if stats is not None:
         stats.tick, stats.last_tick = tick, reported
-    while True:
-        t0, thread0, process0 = time.monotonic(), time.thread_time(), time.process_time()
-        await asyncio.sleep(tick)
-        now = time.monotonic()
-        held = now - t0 - tick
-        if stats is not None:
-            stats.woke(now, held, time.thread_time() - thread0)
-        if held > threshold:
-            count += 1
-            if held > worst:
-                worst, thread, process = held, time.thread_time() - thread0, time.process_time() - process0
-        if count and now - reported >= STALL_REPORT_EVERY:
-            sites = sampler.take() if sampler is not None else []
-            where = "; held at " + ", ".join(f"{site} ({n} samples)" for site, n in sites) if sites else ""
-            log.warning("event loop held up to %.0f ms (on the CPU meanwhile: %.0f ms this thread, %.0f ms the "
-                        "process); %d times over %.0f ms in the last %.0f s%s", 1e3 * worst, 1e3 * thread,
-                        1e3 * process, count, 1e3 * threshold, now - reported, where)
-            worst, count, reported = 0.0, 0, now
+    run_queue = RunQueueWait()  # opened on the loop's thread: it reads that thread's
+    if run_queue() is None:
+        log.info("no /proc/thread-self/schedstat: event-loop stalls are not told apart by time waiting for a core")
+    try:
+        while True:
+            t0, thread0, process0, wait0 = time.monotonic(), time.thread_time(), time.process_time(), run_queue()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            held = now - t0 - tick
+            wait1 = run_queue()
+            waited = wait1 - wait0 if wait0 is not None and wait1 is not None else 0.0
+            if stats is not None:
+                stats.woke(now, held, time.thread_time() - thread0, waited)
+            if held > threshold:
+                count += 1
+                if held > worst:
+                    worst, thread, process, worst_wait = (held, time.thread_time() - thread0,
+                                                          time.process_time() - process0, waited)
+            if count and now - reported >= STALL_REPORT_EVERY:
+                sites = sampler.take() if sampler is not None else []
+                where = "; held at " + ", ".join(f"{site} ({n} samples)" for site, n in sites) if sites else ""
+                log.warning("event loop held up to %.0f ms (meanwhile: %.0f ms this thread on the CPU, %.0f ms "
+                            "waiting for a core, %.0f ms the process on the CPU); %d times over %.0f ms in the "
+                            "last %.0f s%s", 1e3 * worst, 1e3 * thread, 1e3 * worst_wait, 1e3 * process, count,
+                            1e3 * threshold, now - reported, where)
+                worst, count, reported = 0.0, 0, now
+    finally:
+        run_queue.close()
 
 
 def flag_parser(prog: str, description: str, cfg_cls: type) -> argparse.ArgumentParser:

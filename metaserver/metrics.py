@@ -168,8 +168,13 @@ class StatusCollector(Collector):
         busy = CounterMetricFamily("kvfs_meta_loop_busy_stalls", "of those, stalls during which the loop's thread "
                                    "was on the CPU (its own work held it, not a busy machine)",
                                    labels=["over_seconds"])
+        waiting = CounterMetricFamily("kvfs_meta_loop_waiting_stalls", "of the others, stalls during which the "
+                                      "loop's thread waited for a core at least half the time (the machine's cores "
+                                      "were taken)", labels=["over_seconds"])
         for s in st.loop_stalls:
             stalls.add_metric([repr(s.over_s)], s.count)
             busy.add_metric([repr(s.over_s)], s.busy_count)
+            waiting.add_metric([repr(s.over_s)], s.waiting_count)
         yield stalls
         yield busy
+        yield waiting

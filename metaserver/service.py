@@ -210,8 +210,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             r = self.repairer
             reply.repair_backlog, reply.repair_copied_chunks = r.under_replicated, r.copied_chunks
             reply.repair_copied_bytes, reply.repair_failed_copies = r.copied_bytes, r.failed_copies
-        for bound, n, busy in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy):
-            reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy)
+        for bound, n, busy, waiting in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy, self.loop.over_waiting):
+            reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy, waiting_count=waiting)
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

@@ -371,14 +371,16 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class LoopStalls(_message.Message):
-    __slots__ = ("over_s", "count", "busy_count")
+    __slots__ = ("over_s", "count", "busy_count", "waiting_count")
     OVER_S_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     BUSY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_COUNT_FIELD_NUMBER: _ClassVar[int]
     over_s: float
     count: int
     busy_count: int
-    def __init__(self, over_s: _Optional[float] = ..., count: _Optional[int] = ..., busy_count: _Optional[int] = ...) -> None: ...
+    waiting_count: int
+    def __init__(self, over_s: _Optional[float] = ..., count: _Optional[int] = ..., busy_count: _Optional[int] = ..., waiting_count: _Optional[int] = ...) -> None: ...
 
 class RebuildRequest(_message.Message):
     __slots__ = ()

@@ -2,6 +2,9 @@
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -39,8 +42,9 @@ async def test_a_held_event_loop_is_reported_with_how_much_of_it_was_cpu(busy, c
     assert over[0.1] >= 1 and over[0.025] >= over[0.1] and over[1.0] == 0 and stats.longest >= 0.2
     # and summed, for the metaserver's heartbeat timeouts (membership.py): none of it was time awake
     assert 0.2 <= stats.stalled_s <= stats.stalled_now() and stats.stalled_s < 5
-    if not busy:
+    if not busy:  # asleep, the thread is neither on the CPU nor waiting for one
         assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
+        assert dict(zip(serving.STALL_BOUNDS, stats.over_waiting))[0.1] == 0
 
 
 def hold_the_loop_here(seconds: float) -> None:
@@ -96,3 +100,50 @@ async def test_only_the_stalls_worth_a_line_leave_their_samples():
         sampler.stop()
     assert sites and all("held_briefly_here" not in site for site, _ in sites), sites
     assert "hold_the_loop_here" in sites[0][0] and sites[0][1] >= 10, sites
+
+
+SPIN = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+
+
+def on_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/schedstat") as fh:
+        return int(fh.read().split()[0]) / 1e9
+
+
+@pytest.mark.asyncio
+async def test_a_loop_whose_thread_waits_for_a_core_is_told_from_one_its_own_work_holds(caplog, monkeypatch):
+    """The loop's thread on one core with three processes spinning on it: it spends
+    most of a hold runnable but off the CPU, and the stall counts as waiting for a
+    core, not as busy (Linux schedstat: this test needs a kernel that keeps it)."""
+    assert serving.RunQueueWait()() is not None, "no /proc/thread-self/schedstat on this kernel"
+    monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
+    log = logging.getLogger("test.watch")
+    mine = os.sched_getaffinity(0)
+    core = min(mine)
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN, str(core)]) for _ in range(3)]
+    stats = serving.LoopStats()
+    watcher = None
+    try:
+        deadline = time.monotonic() + 20
+        while min(on_cpu_s(p.pid) for p in spinners) < 0.05:  # all three pinned and spinning
+            assert time.monotonic() < deadline, "the spinners never ran"
+            await asyncio.sleep(0.02)
+        os.sched_setaffinity(0, {core})  # this thread: the event loop's
+        watcher = asyncio.create_task(serving.watch_event_loop(log, stats, threshold=0.1))
+        await asyncio.sleep(0.05)
+        hold_the_loop_here(0.6)  # spinning too, but given about a quarter of the core
+        deadline = time.monotonic() + 5
+        while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        os.sched_setaffinity(0, mine)
+        if watcher is not None:
+            watcher.cancel()
+        for p in spinners:
+            p.kill()
+            p.wait()
+    (line,) = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    held, cpu, waited = line.args[0], line.args[1], line.args[2]
+    assert held >= 500 and waited >= held / 2 and cpu < 0.8 * held, line.getMessage()
+    assert dict(zip(serving.STALL_BOUNDS, stats.over_waiting))[0.1] >= 1
+    assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
