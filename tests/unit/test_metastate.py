@@ -617,3 +617,17 @@ def test_a_removed_block_leaves_no_tombstone_on_repairs_queue_unless_it_was_on_i
         return took
 
     assert deletes_expiring(queued=True) - deletes_expiring(queued=False) == 8  # one per queued block
+
+
+def test_the_metaservers_tables_carry_a_bloom_filter_of_every_key(make_state):
+    """Reads of keys that are not there (every new block of an allocation is looked
+    up first) are answered by the filters, not by a data block of every file."""
+    state = make_state()
+    write(state, block_keys(NS, range(4 * 200), 4))
+    db = state.blocks.db.db
+    db.flush(True)
+    props = dict(part.strip().split("=", 1) for part in db.property_value("rocksdb.aggregated-table-properties")
+                 .split(";") if "=" in part)
+    assert int(props["# entries"]) > 200  # the rows, their indexes and the rest
+    assert int(props["# entries for filter"]) == int(props["# entries"]), props  # deletions included
+    assert int(props["filter block size"]) > 0
