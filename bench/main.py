@@ -332,8 +332,10 @@ def _meta_tables(r: dict) -> None:
                           f"{s.get('max_ms', 0):.1f}", _wrong(s), errors)
     console.print(table)
     table = Table(title="longest wait of a health Check sent every 10 ms by a probe process (ms), and the "
-                        "metaserver's event-loop stalls (all / with its loop's thread on the CPU / waiting for a core), per phase")
-    for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "stalls >50 ms", ">100 ms", "meanwhile"):
+                        "metaserver's event-loop stalls (all / with its loop's thread on the CPU / waiting for a core), and the "
+                        "share of the phase its loop's thread was on a CPU / runnable waiting for one, per phase")
+    for col in ("phase", "seconds", "probes", "p50", "p99", "max", "failed", "stalls >50 ms", ">100 ms",
+                "loop on CPU / waiting", "meanwhile"):
         table.add_column(col, justify="right")
     for name, p in r["phases"].items():
         pr = p["probe"]
@@ -341,8 +343,11 @@ def _meta_tables(r: dict) -> None:
         over = [f"{stalls[k]['count']} / {stalls[k]['busy']} / {stalls[k].get('waiting', 0)}" if k in stalls else "-"
                 for k in ("50ms", "100ms")]
         meanwhile = _meta_meanwhile(name, p)
+        loop = p.get("metaserver_loop")
+        cores = f"{100 * loop['on_cpu']:.0f}% / {100 * loop['waiting_for_a_core']:.0f}%" if loop else "-"
         table.add_row(name, f"{p['seconds']:.1f}", str(pr["count"]), f"{pr.get('p50_ms', 0):.1f}",
-                      f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), *over, meanwhile)
+                      f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), *over, cores,
+                      meanwhile)
     console.print(table)
     if "settle_s" in r:
         console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "

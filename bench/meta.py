@@ -139,6 +139,17 @@ def _proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def _main_thread_times(pid: int) -> tuple[float, float] | None:
+    """Seconds a process's main thread (an asyncio server's event loop) has been on
+    a CPU and runnable waiting for one (Linux schedstat); None where it is not kept."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as fh:
+            on_cpu, waiting = fh.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def _folder_bytes(path: pathlib.Path) -> int:
     total = 0
     for folder, _, files in os.walk(path):
@@ -455,15 +466,25 @@ class _Run:
 
     @contextlib.asynccontextmanager
     async def _phase(self, name: str):
-        """Times a phase for the probe and records what Status counters did meanwhile."""
+        """Times a phase for the probe and records what Status counters did meanwhile,
+        and the share of it the metaserver's event loop and this bench's (the lookups')
+        spent on a CPU and waiting for one: on this machine's few cores the writers,
+        fakes and probe compete with both."""
         before = await self._status()
         entry = self.phases[name] = {}
+        threads = {"metaserver_loop": self.meta.pid, "bench_loop": os.getpid()}
+        times0 = {k: _main_thread_times(pid) for k, pid in threads.items()}
         t0 = time.monotonic()
         try:
             yield entry
         finally:
             self.windows[name] = (t0, time.monotonic())
-            entry["seconds"] = time.monotonic() - t0
+            entry["seconds"] = seconds = time.monotonic() - t0
+            for k, pid in threads.items():
+                t1 = _main_thread_times(pid)
+                if times0[k] is not None and t1 is not None and seconds > 0:
+                    entry[k] = {"on_cpu": (t1[0] - times0[k][0]) / seconds,
+                                "waiting_for_a_core": (t1[1] - times0[k][1]) / seconds}
             after = await self._status()
             if before is not None and after is not None:
                 entry["status_change"] = {k: getattr(after, k) - getattr(before, k) for k in STATUS_COUNTERS}

@@ -185,7 +185,11 @@ def test_meta_bench_report_shape(tmp_path):
         assert probe["count"] > 0 and probe["max_ms"] >= probe["p99_ms"] >= probe["p50_ms"] > 0
         stalls = phase["loop_stalls"]  # the metaserver's own count, per phase: never negative, busy ones among all
         assert set(stalls) == {"25ms", "50ms", "100ms", "250ms", "1000ms"}
-        assert all(0 <= s["busy"] <= s["count"] for s in stalls.values())
+        assert all(0 <= s["busy"] + s["waiting"] <= s["count"] for s in stalls.values())
+        for thread in ("metaserver_loop", "bench_loop"):  # shares of the phase, from schedstat
+            share = phase[thread]
+            assert 0 <= share["on_cpu"] <= 1.05 and 0 <= share["waiting_for_a_core"] <= 1.05, share
+        assert phase["metaserver_loop"]["on_cpu"] > 0  # it served the probe at least
         assert stalls["25ms"]["count"] >= stalls["50ms"]["count"] >= stalls["1000ms"]["count"]
         if name == "fill":
             continue
