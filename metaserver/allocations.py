@@ -23,7 +23,7 @@ from kvfs.proto import meta_pb2
 from .blocks import BlockTable, footprint, layout_of
 from .chains import Placer
 from .config import MetaserverConfig
-from .db import Batch, MetaDB
+from .db import Batch, MetaDB, OffLoop
 from .groups import NO_KEY
 from .membership import Membership, ServerState
 from .records import ALLOC, ALLOC_SETTLED, Row, read_u64, row_layout, u64
@@ -37,7 +37,7 @@ COMMIT_PIECE_BESIDE_LOOKUPS = 16
 # The most one step of work should hold the event loop (checked between blocks): a commit
 # building its rows, an allocation placing its blocks, a slice of eviction (state.py)
 SLICE_SECONDS = 0.0015
-LIVE_ROWS_PIECE = 32  # keys an allocation looks up at a time (one multi-get, ~20 us a key)
+LIVE_ROWS_PIECE = 128  # keys an allocation looks up at a time, off the event loop (two multi-gets)
 
 
 @dataclass(slots=True)
@@ -267,15 +267,16 @@ class Allocations:
         return reply
 
     def _live_rows_steps(self, fulls: list[bytes]):
-        """BlockTable.live_rows(fulls), read LIVE_ROWS_PIECE at a time, in steps of at
-        most SLICE_SECONDS (500 keys not committed yet took 10 ms at 1M blocks)."""
+        """BlockTable.live_rows(fulls), LIVE_ROWS_PIECE at a time, each piece's rows
+        read off the event loop (db.OffLoop: 500 keys not committed yet took 10 ms at
+        1M blocks, and a page read from the disk can take a hundred times that). A
+        block committed by another writer meanwhile is found absent and allocated
+        again, as when it commits between two pieces: the first commit wins."""
         out: list[bytes | None] = []
-        deadline = time.perf_counter() + SLICE_SECONDS
         for i in range(0, len(fulls), LIVE_ROWS_PIECE):
-            if i and time.perf_counter() > deadline:
-                yield
-                deadline = time.perf_counter() + SLICE_SECONDS
-            out += self.blocks.live_rows(fulls[i : i + LIVE_ROWS_PIECE])
+            piece = fulls[i : i + LIVE_ROWS_PIECE]
+            stored = yield OffLoop(self.blocks.rows, (piece,))
+            out += self.blocks.live_rows(piece, stored)
         return out
 
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,

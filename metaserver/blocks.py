@@ -270,7 +270,9 @@ class BlockTable:
         return self.ttls.get(ttl_class, self.ttls[self.cfg.default_ttl_class])
 
     def rows(self, fulls: list[bytes]) -> list[bytes | None]:
-        """These blocks' rows as stored (None for a block not committed)."""
+        """These blocks' rows as stored (None for a block not committed). Safe off the
+        event loop (db.OffLoop): a slot read before its block was removed and the slot
+        given to another block holds that block's key, and counts as no row."""
         if not fulls:
             return []
         slots = [read_u64(s) if s is not None else None for s in self.db.db.get([BLOCK + f for f in fulls])]
@@ -279,7 +281,8 @@ class BlockTable:
         out = []
         for full, slot in zip(fulls, slots):
             value = values.get(group_key(full[:KEY_BYTES], slot // GROUP_SLOTS)) if slot is not None else None
-            out.append(groups.row_at(value, slot % GROUP_SLOTS) if value is not None else None)
+            raw = groups.row_at(value, slot % GROUP_SLOTS) if value is not None else None
+            out.append(raw if raw is not None and raw[:KEY_BYTES] == full[KEY_BYTES:] else None)
         return out
 
     def next_taken(self, ns: bytes, slot: int) -> int:

@@ -23,6 +23,8 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch
 
@@ -61,6 +63,20 @@ class Batch:
         self.rows[(namespace_digest, slot)] = None
 
 
+@dataclass(frozen=True, slots=True)
+class OffLoop:
+    """What a step generator (state.run_steps) yields to have `fn(*args)`, a read,
+    made off the event loop, on the database's reader thread; its result is sent
+    back into the generator. A read of a page the page cache no longer holds waits
+    on the disk, and rocksdict lets go of the GIL meanwhile, so the loop serves
+    lookups and heartbeats instead of waiting too (on this project's machines such a
+    read of an SST page took up to 200 ms while compactions wrote). Only for reads
+    whose answer may be a moment old: the loop writes meanwhile."""
+
+    fn: Callable
+    args: tuple
+
+
 class MetaDB:
     def __init__(self, path: str, cache_bytes: int):
         os.makedirs(path, exist_ok=True)
@@ -96,6 +112,7 @@ class MetaDB:
         self._synced = 0  # of those, the ones known durable
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
+        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-read")  # OffLoop reads
 
     def write(self, batch: Batch) -> None:
         if batch.rows:
@@ -168,6 +185,7 @@ class MetaDB:
         return False
 
     def close(self) -> None:
+        self.reader.shutdown(wait=True)
         self.sync()
         self._syncer.shutdown(wait=True)
         self.db.close()

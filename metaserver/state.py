@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 
 from kvfs.config import MiB
 from kvfs.errors import InvalidArgument, ResourceExhausted
@@ -29,7 +30,7 @@ from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, SLICE_SECOND
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
-from .db import Batch, MetaDB
+from .db import Batch, MetaDB, OffLoop
 from .membership import Membership, ServerState
 from .readsfirst import ReadsFirst
 
@@ -41,15 +42,17 @@ EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop
 
 def run_steps(steps):
     """Runs a generator of steps (allocate_steps, commit_steps, make_room_steps) to
-    its end at once; its result."""
+    its end at once; its result. The reads it asks for (db.OffLoop) are made here."""
+    answer = None
     while True:
         try:
-            next(steps)
+            asked = steps.send(answer)
         except StopIteration as done:
             return done.value
+        answer = asked.fn(*asked.args) if isinstance(asked, OffLoop) else None
 
 
-async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst):
+async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: Executor | None = None):
     """run_steps(), serving the event loop between steps. Steps of all the calls
     sharing `gate` take turns, at most one per turn of the loop: eight writers each
     with a step ready would otherwise run eight steps between two polls of the
@@ -59,20 +62,27 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst):
     turn, before which every other writer that came for it queues behind.) Each
     step makes way for lookups first (readsfirst.py), and while they keep coming the
     gate is held through the turns after it: spaced steps of one writer would leave
-    those turns to the next writer's."""
+    those turns to the next writer's. A read a step asks for (db.OffLoop) is made on
+    `reader` (None: the loop's default executor) without the gate: other writers'
+    steps go on meanwhile."""
     loop = asyncio.get_running_loop()
+    answer = None
     while True:
         await gate.acquire()
         try:
             await reads.before_step()
-            next(steps)
+            asked = steps.send(answer)
             if reads.coming():  # the turns after a step are the lookups', not another writer's
                 await reads.after_step()
         except StopIteration as done:
             return done.value
         finally:
             loop.call_soon(gate.release)
-        await asyncio.sleep(0)
+        if isinstance(asked, OffLoop):
+            answer = await loop.run_in_executor(reader, asked.fn, *asked.args)
+        else:
+            answer = None
+            await asyncio.sleep(0)
 
 
 # Chunk copies waiting for deletion (about 100 B of memory each); background removals pause past it
@@ -161,7 +171,7 @@ class MetaState:
                              parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
         steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps)
-        return await run_steps_async(steps, self._write_turns, self.reads)
+        return await run_steps_async(steps, self._write_turns, self.reads, self.db.reader)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """Commits blocks (Allocations.commit_steps); the chunks that became garbage
@@ -171,7 +181,7 @@ class MetaState:
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
-                                     self._write_turns, self.reads)
+                                     self._write_turns, self.reads, self.db.reader)
 
     def match_bytes(self, namespace_digest: bytes, keys, tenant: str = "", joined: bytes = b"") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is

@@ -590,6 +590,47 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
     assert not gate.locked()
 
 
+@pytest.mark.asyncio
+async def test_a_read_a_step_asks_for_is_made_off_the_loop_while_other_writers_go_on():
+    """A step's OffLoop read runs on the reader thread, its answer sent back into the
+    steps; the gate is not held meanwhile, so another writer's steps all run while
+    the read waits (a page read from the disk must not hold every write up)."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from kvfs.metaserver.db import OffLoop
+    from kvfs.metaserver.readsfirst import ReadsFirst
+    from kvfs.metaserver.state import run_steps, run_steps_async
+
+    release, loop_thread = threading.Event(), threading.get_ident()
+    other_done: list[bool] = []
+
+    def slow_read(x):  # stands in for a multi-get waiting on the disk
+        assert release.wait(10), "the other writer never finished while the read waited"
+        return x * 2, threading.get_ident()
+
+    def reading():
+        answer, thread = yield OffLoop(slow_read, (21,))
+        return answer, thread, list(other_done)
+
+    def other():
+        for _ in range(5):
+            yield
+        other_done.append(True)
+        release.set()
+        return "other"
+
+    gate = asyncio.Lock()
+    with concurrent.futures.ThreadPoolExecutor(1) as reader:
+        (answer, thread, seen), name = await asyncio.gather(run_steps_async(reading(), gate, ReadsFirst(), reader),
+                                                            run_steps_async(other(), gate, ReadsFirst(), reader))
+    assert (answer, name) == (42, "other") and seen == [True] and thread != loop_thread
+    release.clear()
+    release.set()
+    assert run_steps(reading())[0] == 42  # run at once, the read made in place
+
+
 def test_a_removed_block_leaves_no_tombstone_on_repairs_queue_unless_it_was_on_it(make_state, tmp_path):
     """Removing a block deletes its repair-queue entry only if it has one: blind deletes
     of every evicted block's entry piled tombstones at the queue's front, which each
@@ -631,3 +672,19 @@ def test_the_metaservers_tables_carry_a_bloom_filter_of_every_key(make_state):
     assert int(props["# entries"]) > 200  # the rows, their indexes and the rest
     assert int(props["# entries for filter"]) == int(props["# entries"]), props  # deletions included
     assert int(props["filter block size"]) > 0
+
+
+def test_a_slot_read_before_its_block_left_it_is_no_row_of_another_block(make_state):
+    """rows() runs off the event loop: between its read of a block's slot and of the
+    slot's group, the block may be removed and the slot given to another block. The
+    row found then holds that block's key, and is no row of the block asked for."""
+    from kvfs.metaserver.records import BLOCK, u64
+
+    state = make_state()
+    keys = block_keys(NS, range(8), 4)
+    write(state, keys)
+    (slot,) = slots(state, keys[:1])
+    stray = block_keys(NS, range(100, 104), 4)[0]  # never written; made to point at keys[0]'s slot
+    state.blocks.db.db.put(BLOCK + NS.digest + stray, u64(slot))
+    found, missing = state.blocks.rows([NS.digest + keys[0], NS.digest + stray])
+    assert found is not None and found[:16] == keys[0] and missing is None
