@@ -42,14 +42,23 @@ EVICT_SLICE = 16  # of those, blocks evicted between two turns of the event loop
 
 def run_steps(steps):
     """Runs a generator of steps (allocate_steps, commit_steps, make_room_steps) to
-    its end at once; its result. The reads it asks for (db.OffLoop) are made here."""
-    answer = None
+    its end at once; its result. The reads it asks for (db.OffLoop) are made here;
+    one that fails raises its error in the steps, whose cleanup runs."""
+    answer, error = None, None
     while True:
         try:
-            asked = steps.send(answer)
+            asked = steps.throw(error) if error is not None else steps.send(answer)
         except StopIteration as done:
             return done.value
-        answer = asked.fn(*asked.args) if isinstance(asked, OffLoop) else None
+        answer, error = _answer(asked.fn, asked.args) if isinstance(asked, OffLoop) else (None, None)
+
+
+def _answer(fn, args) -> tuple:
+    """(fn(*args), None), or (None, the error it raised)."""
+    try:
+        return fn(*args), None
+    except Exception as err:  # handed to the steps that asked
+        return None, err
 
 
 async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: Executor | None = None):
@@ -66,12 +75,12 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: 
     `reader` (None: the loop's default executor) without the gate: other writers'
     steps go on meanwhile."""
     loop = asyncio.get_running_loop()
-    answer = None
+    answer, error = None, None
     while True:
         await gate.acquire()
         try:
             await reads.before_step()
-            asked = steps.send(answer)
+            asked = steps.throw(error) if error is not None else steps.send(answer)
             if reads.coming():  # the turns after a step are the lookups', not another writer's
                 await reads.after_step()
         except StopIteration as done:
@@ -79,9 +88,9 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: 
         finally:
             loop.call_soon(gate.release)
         if isinstance(asked, OffLoop):
-            answer = await loop.run_in_executor(reader, asked.fn, *asked.args)
+            answer, error = await loop.run_in_executor(reader, _answer, asked.fn, asked.args)
         else:
-            answer = None
+            answer, error = None, None
             await asyncio.sleep(0)
 
 

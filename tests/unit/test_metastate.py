@@ -630,6 +630,24 @@ async def test_a_read_a_step_asks_for_is_made_off_the_loop_while_other_writers_g
     release.set()
     assert run_steps(reading())[0] == 42  # run at once, the read made in place
 
+    cleaned: list[str] = []
+
+    def failing_read():
+        raise OSError("the disk said no")
+
+    def failing():  # a read that fails raises in the steps, whose cleanup runs
+        try:
+            yield OffLoop(failing_read, ())
+        except OSError as err:
+            cleaned.append(str(err))
+            raise
+
+    with pytest.raises(OSError, match="said no"):
+        await run_steps_async(failing(), asyncio.Lock(), ReadsFirst())
+    with pytest.raises(OSError, match="said no"):
+        run_steps(failing())
+    assert cleaned == ["the disk said no"] * 2
+
 
 def test_a_removed_block_leaves_no_tombstone_on_repairs_queue_unless_it_was_on_it(make_state, tmp_path):
     """Removing a block deletes its repair-queue entry only if it has one: blind deletes
