@@ -51,6 +51,7 @@ from kvfs.layout import BlockLayout
 from kvfs.metaserver.blocks import footprint
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import CHANNEL_OPTIONS
+from kvfs.serving import schedstat_times
 
 from .fakes import FAST_RECONNECT, Child, FakeChunkservers, StallProbe, server_id
 
@@ -144,10 +145,9 @@ def _main_thread_times(pid: int) -> tuple[float, float] | None:
     a CPU and runnable waiting for one (Linux schedstat); None where it is not kept."""
     try:
         with open(f"/proc/{pid}/task/{pid}/schedstat") as fh:
-            on_cpu, waiting = fh.read().split()[:2]
+            return schedstat_times(fh.read())
     except (OSError, ValueError):
         return None
-    return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
 def _folder_bytes(path: pathlib.Path) -> int:

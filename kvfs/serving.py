@@ -268,6 +268,13 @@ class StallSampler:
         return top
 
 
+def schedstat_times(raw: bytes | str) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable waiting for one) from a schedstat file's
+    text (/proc/.../schedstat: both in ns, then the count of timeslices)."""
+    on_cpu, waiting = raw.split()[:2]
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 class RunQueueWait:
     """How long the thread that made it has spent runnable but waiting for a core,
     from Linux's /proc/thread-self/schedstat (its second field, in ns). None where
@@ -283,7 +290,7 @@ class RunQueueWait:
         if self._fd is None:
             return None
         try:
-            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+            return schedstat_times(os.pread(self._fd, 128, 0))[1]
         except (OSError, ValueError, IndexError):
             return None
 

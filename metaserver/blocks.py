@@ -359,8 +359,8 @@ class BlockTable:
 
     def match(self, namespace_digest: bytes, want: bytes) -> tuple[bytes, int, bytes]:
         """The serialized MatchPrefixReply for the longest run of present, unexpired,
-        readable blocks from the first of the keys joined in `want`, how many blocks that is, and their layout (the
-        first one's, serialized; b"" when none). The reply names the layout once and
+        readable blocks from the first of the keys joined in `want`, how many blocks
+        that is, and their layout (the first one's, serialized; b"" when none). The reply names the layout once and
         no block's key: every block of a prompt has its parent's layout, and the keys
         are the request's.
 
@@ -377,6 +377,10 @@ class BlockTable:
         referenced: set[int] = set()
         db = self.db.db
         n = len(want) // KEY_BYTES
+
+        def key(i: int) -> bytes:
+            return want[KEY_BYTES * i : KEY_BYTES * (i + 1)]
+
         matched, slot, guessed, layout = 0, None, False, b""
         hit: list[tuple[int, int, bytes]] = []  # runs matched: (group, first slot in it, their keys joined)
         value, at = None, -1  # the group last read, and its number
@@ -387,7 +391,7 @@ class BlockTable:
         while matched < n:
             branch = slot is None
             if branch:  # not known to be in the next slot: look up where it is
-                raw = db.get(BLOCK + namespace_digest + want[KEY_BYTES * matched : KEY_BYTES * (matched + 1)])
+                raw = db.get(BLOCK + namespace_digest + key(matched))
                 if raw is None:
                     break
                 slot, guessed = read_u64(raw), False
@@ -402,11 +406,9 @@ class BlockTable:
                 if guessed:
                     slot = None
                     continue
-                log.error("block %s points at slot %d, which holds no row of it",
-                          want[KEY_BYTES * matched : KEY_BYTES * (matched + 1)].hex(), slot)
+                log.error("block %s points at slot %d, which holds no row of it", key(matched).hex(), slot)
                 break
-            if branch and matched and row_parent(groups.row_at(value, offset)) not in (
-                    want[KEY_BYTES * (matched - 1) : KEY_BYTES * matched], b""):
+            if branch and matched and row_parent(groups.row_at(value, offset)) not in (key(matched - 1), b""):
                 break  # the child of another block than the one before it: no prompt goes on here
             readable = self._readable(namespace_digest, value, offset, run, now, live, parts, referenced)
             if readable and not matched:
