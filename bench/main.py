@@ -423,27 +423,30 @@ def _policy_table(results: list[dict]) -> Table:
 
 
 def _simulate(args) -> int:
-    from kvfs.metaserver.eviction import POLICIES
+    from .simulate import SIMULATED, report_rows, simulate_all, unique_blocks
 
-    from .simulate import report_rows, simulate_all, unique_blocks
-
-    unique = unique_blocks(args.path, args.limit)
-    capacities = []
-    for c in args.capacity_blocks.split(","):  # blocks, or a share of the trace's unique blocks
-        capacities.append(round(unique * float(c[:-1]) / 100) if c.endswith("%") else int(c))
-    policies = args.policy.split(",") if args.policy != "adaptive" else sorted(POLICIES)
-    console.print(f"kvfs-bench trace --simulate: {args.path}, {unique} unique 512-token blocks, capacities "
-                  f"{capacities} blocks, policies {', '.join(policies)} (no cluster: the eviction policy alone)")
-    summary = simulate_all(args.path, capacities, policies, args.limit)
-    table = Table(title=f"token hit ratio of {summary['requests']} requests through the eviction policy alone")
-    for col in ("policy", "capacity blocks", "of unique", "token hit ratio", "of infinite", "evictions", "refused"):
-        table.add_column(col, justify="right")
-    for row in report_rows(summary):
-        table.add_row(*row)
-    console.print(table)
+    policies = [p for p in SIMULATED if p != "infinite"] if args.policy == "adaptive" else args.policy.split(",")
+    traces = []
+    for path in args.path:
+        unique = unique_blocks(path, args.limit)
+        capacities = []
+        for c in args.capacity_blocks.split(","):  # blocks, or a share of the trace's unique blocks
+            capacities.append(round(unique * float(c[:-1]) / 100) if c.endswith("%") else int(c))
+        console.print(f"kvfs-bench trace --simulate: {path}, {unique} unique 512-token blocks, capacities "
+                      f"{capacities} blocks, policies {', '.join(policies)} (no cluster: the eviction policy alone; "
+                      f"belady sees the future)")
+        summary = simulate_all(path, capacities, policies, args.limit)
+        table = Table(title=f"token hit ratio of {summary['requests']} requests of {path} through the eviction "
+                            f"policy alone")
+        for col in ("policy", "capacity blocks", "of unique", "token hit ratio", "vs lru, points", "of infinite",
+                    "evictions", "refused"):
+            table.add_column(col, justify="right")
+        for row in report_rows(summary):
+            table.add_row(*row)
+        console.print(table)
+        traces.append({"path": path, "capacity_blocks": capacities, "results": summary})
     _write_json(args.json, {"bench": "simulate", **_host(), "config": {
-        "path": args.path, "limit": args.limit, "capacity_blocks": capacities, "policies": policies},
-        "results": summary})
+        "paths": args.path, "limit": args.limit, "policies": policies}, "traces": traces})
     return 0
 
 
@@ -452,6 +455,9 @@ def _trace(args) -> int:
 
     if args.simulate:
         return _simulate(args)
+    if len(args.path) != 1:
+        raise SystemExit("kvfs-bench trace: one trace at a time through the cluster (several only with --simulate)")
+    args.path = args.path[0]
     from kvfs.engine import ModelConfig
     from kvfs.keys import Namespace
     from .restore import load_trace, replay
@@ -534,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
     restore.add_argument("--chunkservers", type=int, default=3)
     trace = sub.add_parser("trace", help="replay a Mooncake-format trace through the engine and cluster")
-    trace.add_argument("path")
+    trace.add_argument("path", nargs="+", help="a Mooncake-format trace, or gen:SHAPE[:REQUESTS[:SEED]] for one "
+                       "generated (chat, agent, sysprompt, documents, mix); several with --simulate")
     trace.add_argument("--limit", type=int, help="only the first N requests")
     trace.add_argument("--speed", type=float, default=1.0, help="divide arrival times by this")
     trace.add_argument("--preset", default="tiny")

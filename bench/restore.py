@@ -206,22 +206,18 @@ def load_trace(path: str, limit: int | None, vocab: int, block: int = 512) -> li
     tokens, hence equal chained keys); the tail past the last full block is
     unique to the request.
     """
-    import json
+    from .simulate import load_requests
 
     out = []
-    with open(path) as fh:
-        for i, line in enumerate(fh):
-            if limit is not None and i >= limit:
-                break
-            rec = json.loads(line)
-            tokens: list[int] = []
-            for h in rec["hash_ids"]:
-                rng = random.Random(f"block-{h}")
-                tokens += [rng.randrange(vocab) for _ in range(block)]
-            tokens = tokens[: rec["input_length"]]
-            own = random.Random(f"request-{i}")
-            tokens += [own.randrange(vocab) for _ in range(rec["input_length"] - len(tokens))]
-            out.append((rec["timestamp"] / 1000.0, tokens, min(len(rec["hash_ids"]) * block, rec["input_length"])))
+    for i, rec in enumerate(load_requests(path, limit)):
+        tokens: list[int] = []
+        for h in rec["hash_ids"]:
+            rng = random.Random(f"block-{h}")
+            tokens += [rng.randrange(vocab) for _ in range(block)]
+        tokens = tokens[: rec["input_length"]]
+        own = random.Random(f"request-{i}")
+        tokens += [own.randrange(vocab) for _ in range(rec["input_length"] - len(tokens))]
+        out.append((rec["timestamp"] / 1000.0, tokens, min(len(rec["hash_ids"]) * block, rec["input_length"])))
     return out
 
 

@@ -14,23 +14,44 @@ Capacity is in blocks, every block of size 1, and is a hard limit: a full cache
 evicts one victim per insert (the metaserver evicts in batches, from its high
 watermark to its low one, in the same order).
 Policy `infinite` never evicts: the ceiling any policy can reach on the trace.
+Policy `belady` sees the future: it evicts the leaf whose next use is farthest
+(a parent's next use is never later than its children's, so leaves suffice) and
+refuses a block used never again, or later than anything it would evict: an
+offline reference (Belady's rule, with bypass), not a proven optimum once
+prefixes must stay whole, and not a policy a cache can run.
+
+A source is a path to a Mooncake-format trace or `gen:SHAPE[:REQUESTS[:SEED]]`,
+a trace generated in memory (bench/workloads.py; 4,000 requests, seed 0 unless
+given).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
+import math
 import os
 from collections.abc import Iterable
 
-from kvfs.metaserver.eviction import POLICIES
+from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES, Policy
 
 BLOCK_TOKENS = 512  # of the Mooncake traces' hash ids
 INFINITE = "infinite"
+BELADY = "belady"
+GENERATED = "gen:"
 
 
 def load_requests(source: str | os.PathLike | Iterable[dict], limit: int | None = None) -> list[dict]:
     """Trace records in timestamp order (stable: equal times keep file order)."""
-    if isinstance(source, (str, os.PathLike)):
+    if isinstance(source, str) and source.startswith(GENERATED):
+        from .workloads import generate
+
+        shape, *rest = source[len(GENERATED):].split(":")
+        if len(rest) > 2 or not all(x.isdigit() for x in rest):
+            raise ValueError(f"a generated trace is gen:SHAPE[:REQUESTS[:SEED]], not {source!r}")
+        records = generate(shape, *map(int, rest))
+    elif isinstance(source, (str, os.PathLike)):
         with open(source) as fh:
             records = [json.loads(line) for line in fh if line.strip()]
     else:
@@ -57,19 +78,59 @@ def unique_blocks(source, limit: int | None = None) -> int:
     return len(keys)
 
 
+class BeladyPolicy(Policy):
+    """The offline reference: rank = minus the next use (farthest first), and no
+    room for a block whose next use comes after every cached leaf's."""
+
+    name = BELADY
+
+    def __init__(self, uses: dict[int, list[int]], capacity_blocks: int):
+        super().__init__()
+        self.uses = uses  # block key -> the requests (indices) that use it, in order
+        self.capacity_blocks = capacity_blocks
+
+    def next_use(self, key: int, now: int) -> float:
+        u = self.uses[key]
+        i = bisect.bisect_right(u, now)
+        return u[i] if i < len(u) else math.inf
+
+    def _ranked(self, key, block, now, new):
+        return -self.next_use(key, now)
+
+    def admit(self, key, parent, size, now):
+        if not super().admit(key, parent, size, now) or (mine := self.next_use(key, now)) == math.inf:
+            return False
+        if len(self) < self.capacity_blocks:
+            return True
+        while self._heap:  # the farthest-used cached leaf: worth more than this block?
+            rank, _, _, stamp, k = self._heap[0]
+            block = self.blocks.get(k)
+            if block is not None and block.stamp == stamp and not block.children:
+                return mine < -rank
+            heapq.heappop(self._heap)
+        return False
+
+
 def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int | None = None) -> dict:
     """One replay; `capacity_blocks` is ignored for policy `infinite`."""
     records = load_requests(source, limit)
     infinite = policy_name == INFINITE
     if not infinite and (capacity_blocks is None or capacity_blocks < 1):
         raise ValueError(f"capacity_blocks must be at least 1 for policy {policy_name!r}")
-    if not infinite and policy_name not in POLICIES:
-        raise ValueError(f"unknown policy {policy_name!r}; known: {', '.join([*POLICIES, INFINITE])}")
-    policy = POLICIES["lru" if infinite else policy_name]()  # infinite: never asked to evict
+    if policy_name not in SIMULATED:
+        raise ValueError(f"unknown policy {policy_name!r}; known: {', '.join(SIMULATED)}")
     keys: dict[tuple, int] = {}
+    chains = [_chain(rec["hash_ids"], keys) for rec in records]
+    if policy_name == BELADY:
+        uses: dict[int, list[int]] = {}
+        for i, chain in enumerate(chains):
+            for k in chain:
+                uses.setdefault(k, []).append(i)
+        policy: Policy = BeladyPolicy(uses, capacity_blocks)
+    else:
+        policy = POLICIES["lru" if infinite else policy_name]()  # infinite: never asked to evict
     prompt_tokens = hit_tokens = hit_requests = hit_blocks = admitted = refused = evictions = 0
-    for now, rec in enumerate(records):
-        chain = _chain(rec["hash_ids"], keys)
+    for now, (rec, chain) in enumerate(zip(records, chains)):
         matched = 0
         while matched < len(chain) and chain[matched] in policy:
             matched += 1
@@ -101,6 +162,9 @@ def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int |
             "cached_blocks": len(policy), "unique_blocks": len(keys)}
 
 
+SIMULATED = (*POLICIES, BELADY, INFINITE)  # the policies a replay can run
+
+
 def simulate_all(source, capacities: list[int], policies: list[str], limit: int | None = None) -> dict:
     """Every policy at every capacity, plus the infinite cache, on one trace."""
     records = load_requests(source, limit)
@@ -111,11 +175,15 @@ def simulate_all(source, capacities: list[int], policies: list[str], limit: int 
 
 
 def report_rows(summary: dict) -> list[list[str]]:
-    """Table rows (policy, capacity, % of unique blocks, token hit ratio, share of
-    the infinite cache's ratio, evictions, refused blocks), infinite last."""
+    """Table rows (policy, capacity, % of unique blocks, token hit ratio, points
+    above LRU's at that capacity, share of the infinite cache's ratio, evictions,
+    refused blocks), infinite last. The default policy is marked."""
     unique, best = summary["unique_blocks"], summary["infinite"]["token_hit_ratio"]
-    rows = [[r["policy"], str(r["capacity_blocks"]), f"{r['capacity_blocks'] / max(1, unique):.1%}",
-             f"{r['token_hit_ratio']:.1%}", f"{r['token_hit_ratio'] / best:.0%}" if best else "-",
-             str(r["evictions"]), str(r["refused"])] for r in summary["results"]]
-    rows.append([INFINITE, "-", "-", f"{best:.1%}", "100%", "0", "0"])
+    lru = {r["capacity_blocks"]: r["token_hit_ratio"] for r in summary["results"] if r["policy"] == "lru"}
+    rows = [[r["policy"] + (" (default)" if r["policy"] == DEFAULT_POLICY else ""), str(r["capacity_blocks"]),
+             f"{r['capacity_blocks'] / max(1, unique):.1%}", f"{r['token_hit_ratio']:.1%}",
+             f"{100 * (r['token_hit_ratio'] - lru[r['capacity_blocks']]):+.1f}" if r["capacity_blocks"] in lru else "-",
+             f"{r['token_hit_ratio'] / best:.0%}" if best else "-", str(r["evictions"]), str(r["refused"])]
+            for r in summary["results"]]
+    rows.append([INFINITE, "-", "-", f"{best:.1%}", "-", "100%", "0", "0"])
     return rows

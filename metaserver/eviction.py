@@ -258,5 +258,126 @@ class LfuDaPolicy(Policy):
                 self.ghost.popitem(last=False)
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LruPolicy, "lfuda": LfuDaPolicy}
+class ArcPolicy(Policy):
+    """Adaptive replacement (ARC, Megiddo and Modha, FAST'03) over the prefix tree.
+
+    Blocks used by one request so far form the recent segment (T1), blocks used by
+    two or more the frequent one (T2); each is least recently used first, leaves
+    first as everywhere here. Which segment gives up the next victim depends on a
+    target share of the cache for T1, which the cache learns from its mistakes: two
+    ghost lists remember recent victims of each segment, and a request for a block
+    evicted from T1 (it would have hit, had T1 been larger) raises the target, one
+    for a block evicted from T2 lowers it, each by ARC's step (the other ghost list's
+    size over this one's, at least one block). So a workload whose reuse comes once,
+    soon (a conversation's next turn, an agent's next step) pushes the cache towards
+    LRU, and one where popular heads return among one-off tails (shared system
+    prompts, documents) shields what proved itself, with no constant to tune for
+    either. The target starts at half: from zero (ARC's usual start), conversations'
+    first minutes cost a point of hit ratio against LRU on the generated chat trace.
+
+    A block's parent is used by every request that uses it, so a parent is at least
+    as frequent as its children: T1 always holds a leaf, while T2's blocks may all
+    have children (then T1 gives up the victim). Sizes count in the cache's units
+    (bytes, or 1 a block), the target as a share of the most the cache ever held.
+    The ghosts hold keys only, at most that many blocks each (T1's ghost) and twice
+    that together, as in ARC.
+    """
+
+    name = "arc"
+    RECENT, FREQUENT = 1.0, 2.0  # ranks: the segment (its blocks' order within is last use)
+
+    def __init__(self, watermarks: Watermarks = Watermarks()):
+        super().__init__(watermarks)
+        self.target = 0.5  # T1's share of `peak_bytes`
+        self.recent_bytes = 0  # in T1
+        self.peak_bytes = 0
+        self.peak_blocks = 0
+        self.ghosts = {self.RECENT: OrderedDict(), self.FREQUENT: OrderedDict()}  # key -> None, oldest first
+        self._heaps = {self.RECENT: [], self.FREQUENT: []}
+
+    def _ranked(self, key, block, now, new):
+        if new:
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            self.peak_blocks = max(self.peak_blocks, len(self.blocks))
+            for segment, ghost in self.ghosts.items():
+                if key in ghost:  # evicted from `segment`, and wanted again
+                    del ghost[key]
+                    self._learn(segment)
+                    block.hits += 1  # its use before the eviction: frequent now
+                    break
+        rank = self.RECENT if block.hits < 2 else self.FREQUENT
+        if rank == self.RECENT and new:
+            self.recent_bytes += block.size
+        elif rank == self.FREQUENT and block.rank == self.RECENT:
+            self.recent_bytes -= block.size
+        return rank
+
+    def _learn(self, segment: float) -> None:
+        mine, other = len(self.ghosts[segment]) + 1, len(self.ghosts[3.0 - segment])  # +1: the one just hit
+        step = max(other / mine, 1.0) / max(1, self.peak_blocks)
+        self.target = min(1.0, self.target + step) if segment == self.RECENT else max(0.0, self.target - step)
+
+    def victims(self, bytes_to_free: int, pinned: Collection[Key] = ()) -> list[Key]:
+        out: list[Key] = []
+        freed = 0
+        while freed < bytes_to_free:
+            first = self.RECENT if self.recent_bytes > self.target * self.peak_bytes else self.FREQUENT
+            got = self._leaf(first, pinned) or self._leaf(3.0 - first, pinned)
+            if got is None:
+                break
+            key, block = got
+            out.append(key)
+            freed += block.size
+            self._drop(key, block, evicted=True)
+        return out
+
+    def _leaf(self, segment: float, pinned: Collection[Key]) -> tuple[Key, _Block] | None:
+        """The least recently used leaf of a segment not in `pinned`, off its heap."""
+        heap, held = self._heaps[segment], []
+        try:
+            while heap:
+                entry = heapq.heappop(heap)
+                key, stamp = entry[-1], entry[-2]
+                block = self.blocks.get(key)
+                if block is None or block.stamp != stamp or block.children:
+                    continue
+                if key in pinned:
+                    held.append(entry)
+                    continue
+                return key, block
+            return None
+        finally:
+            for entry in held:
+                heapq.heappush(heap, entry)
+
+    def _push(self, key: Key, block: _Block) -> None:
+        block.stamp = next(self._stamps)
+        heapq.heappush(self._heaps[block.rank], (block.last_used, -block.depth, block.stamp, key))
+        if sum(map(len, self._heaps.values())) > 4 * len(self.blocks) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        for segment, heap in self._heaps.items():
+            live = [e for e in heap if (b := self.blocks.get(e[-1])) is not None and b.stamp == e[-2]
+                    and not b.children]
+            heapq.heapify(live)
+            self._heaps[segment] = live
+
+    def _forgotten(self, key, block, evicted):
+        if block.rank == self.RECENT:
+            self.recent_bytes -= block.size
+        if not evicted:
+            return
+        ghost = self.ghosts[block.rank]
+        ghost[key] = None
+        bound = max(1024, self.peak_blocks)
+        recent, frequent = self.ghosts[self.RECENT], self.ghosts[self.FREQUENT]
+        while len(recent) > bound:
+            recent.popitem(last=False)
+        while len(recent) + len(frequent) > 2 * bound:
+            frequent.popitem(last=False)
+
+
+POLICIES: dict[str, type[Policy]] = {"lru": LruPolicy, "lfuda": LfuDaPolicy, "arc": ArcPolicy}
+SERVED = ("lru", "lfuda")  # the ones the metaserver's eviction index implements (blocks.Ranks)
 DEFAULT_POLICY = "lfuda"  # chosen by `kvfs-bench trace --simulate` on the shipped trace

@@ -140,15 +140,20 @@ def test_trace_simulate_runs_the_eviction_policies_alone(tmp_path):
     import pathlib
 
     trace = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_first500.jsonl"
-    report, stdout = run(["trace", str(trace), "--simulate", "--capacity-blocks", "5%,300"], tmp_path)
-    summary = report["results"]
-    assert report["bench"] == "simulate" and summary["requests"] == 500
-    assert report["config"]["capacity_blocks"] == [round(summary["unique_blocks"] * 0.05), 300]
-    assert {(r["policy"], r["capacity_blocks"]) for r in summary["results"]} == {
-        (p, c) for p in ("lfuda", "lru") for c in report["config"]["capacity_blocks"]}
-    for r in summary["results"]:
-        assert 0 < r["token_hit_ratio"] <= summary["infinite"]["token_hit_ratio"]
-    assert "infinite" in stdout
+    report, stdout = run(["trace", str(trace), "gen:chat:300:1", "--simulate", "--capacity-blocks", "5%,300"],
+                         tmp_path)
+    assert report["bench"] == "simulate" and [t["path"] for t in report["traces"]] == [str(trace), "gen:chat:300:1"]
+    policies = {"lfuda", "lru", "arc", "belady"}
+    assert set(report["config"]["policies"]) == policies
+    for t, requests in zip(report["traces"], (500, 300)):
+        summary = t["results"]
+        assert summary["requests"] == requests
+        assert t["capacity_blocks"] == [round(summary["unique_blocks"] * 0.05), 300]
+        assert {(r["policy"], r["capacity_blocks"]) for r in summary["results"]} == {
+            (p, c) for p in policies for c in t["capacity_blocks"]}
+        for r in summary["results"]:
+            assert 0 < r["token_hit_ratio"] <= summary["infinite"]["token_hit_ratio"]
+    assert "infinite" in stdout and "belady" in stdout
 
 
 @pytest.mark.slow

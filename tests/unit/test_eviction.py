@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES, LfuDaPolicy, LruPolicy, Watermarks
+from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES, SERVED, ArcPolicy, LfuDaPolicy, LruPolicy, Watermarks
 
 
 def chain(policy, keys, now, size=1):
@@ -17,7 +17,7 @@ def chain(policy, keys, now, size=1):
 
 
 def test_registry_names_the_default():
-    assert DEFAULT_POLICY in POLICIES
+    assert DEFAULT_POLICY in SERVED and set(SERVED) <= set(POLICIES)
     assert set(POLICIES) >= {"lru", DEFAULT_POLICY}
     for name, cls in POLICIES.items():
         assert cls().name == name
@@ -168,6 +168,40 @@ def test_lfuda_newcomers_alone_do_not_flush_a_proven_block():
     assert "hot" in p
 
 
+def test_arc_takes_victims_from_the_segment_past_its_target():
+    p = ArcPolicy()
+    chain(p, ["hot"], now=0)
+    chain(p, ["hot"], now=1)  # used twice: the frequent segment
+    for now, key in enumerate(["n1", "n2", "n3"], start=2):
+        chain(p, [key], now)
+    assert p.recent_bytes == 3 and p.peak_bytes == 4 and p.target == 0.5
+    assert p.victims(1) == ["n1"]  # 3 recent blocks, over half the cache: the oldest of them
+    assert p.victims(1) == ["hot"]  # 2, not over: the frequent segment gives one up, unlike LFU-DA
+    assert p.victims(1) == ["n2"]  # none left there: the recent segment gives one up whatever the target
+
+
+def test_arc_learns_its_target_from_blocks_wanted_after_their_eviction():
+    p = ArcPolicy()
+    chain(p, ["hot"], now=0)
+    chain(p, ["hot"], now=1)
+    for now, key in enumerate(["n1", "n2", "n3"], start=2):
+        chain(p, [key], now)
+    assert p.victims(2) == ["n1", "hot"]
+    chain(p, ["n1"], now=5)  # evicted from the recent segment, wanted again: it should have been larger
+    assert p.target == 0.75  # by ARC's step: max(1 frequent ghost / 1 recent ghost, 1) / 4 blocks
+    assert p.blocks["n1"].rank == ArcPolicy.FREQUENT and p.recent_bytes == 2  # a second use, in effect
+    chain(p, ["hot"], now=6)  # the frequent segment's victim wanted again: smaller
+    assert p.target == 0.5
+
+
+def test_arc_takes_a_recent_leaf_when_no_frequent_block_is_a_leaf():
+    p = ArcPolicy()
+    chain(p, ["sys"], now=0)
+    chain(p, ["sys", "q1"], now=1)  # sys used twice, with a child used once
+    assert p.blocks["sys"].rank == ArcPolicy.FREQUENT and p.recent_bytes == 1 <= p.target * p.peak_bytes
+    assert p.victims(1) == ["q1"]
+
+
 def test_stale_heap_entries_are_compacted():
     p = LruPolicy()
     p.touch("a", None, 1, now=0)
@@ -228,5 +262,7 @@ def test_the_caller_applying_what_the_policy_reports_stays_prefix_closed(name, o
                         k = store[k]
                 assert set(store) <= pin_path
         assert set(store) == set(p.blocks)
+        if name == "arc":  # the recent segment's size is kept as a running sum: it must stay the sum
+            assert p.recent_bytes == sum(b.size for b in p.blocks.values() if b.rank == ArcPolicy.RECENT)
         assert all(parent is None or parent in store for parent in store.values())
         assert p.used_bytes == sum(sizes[k] for k in store)

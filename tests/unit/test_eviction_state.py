@@ -18,7 +18,7 @@ from kvfs.metaserver.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver import records
 from kvfs.metaserver.db import Batch
-from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
+from kvfs.metaserver.eviction import DEFAULT_POLICY, SERVED
 from kvfs.proto import meta_pb2
 
 from helpers import Clock, assert_metadata_consistent as assert_consistent, block_rows as rows, keys_under
@@ -60,7 +60,7 @@ def cached(state, keys) -> list[bool]:
     return [state.blocks.row(NS.digest + k) is not None for k in keys]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", sorted(SERVED))
 def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low_one(make_state, policy):
     clock = Clock()
     state = make_state(clock, policy)
@@ -147,7 +147,7 @@ def test_a_lost_block_takes_its_descendants_along(make_state):
     assert_consistent(state)
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", sorted(SERVED))
 def test_reopening_keeps_the_cached_set_and_keeps_evicting_leaves_first(make_state, policy):
     clock = Clock()
     state = make_state(clock, policy)
@@ -268,7 +268,7 @@ def test_blocks_an_allocation_finds_present_stay_while_it_looks_up_the_rest(make
 
 def test_config_choices_are_the_policies():
     field = {f.name: f for f in dataclasses.fields(MetaserverConfig)}["eviction_policy"]
-    assert set(field.metadata["choices"]) == set(POLICIES)
+    assert set(field.metadata["choices"]) == set(SERVED)
     assert MetaserverConfig().eviction_policy == DEFAULT_POLICY
     with pytest.raises(ValueError, match="evict_low"):
         MetaserverConfig(evict_high=0.5, evict_low=0.7)

@@ -100,3 +100,33 @@ def test_first_500_requests_of_the_shipped_trace_add_up():
     rows = report_rows(summary)
     assert len(rows) == len(summary["results"]) + 1 and rows[-1][0] == "infinite"
     json.dumps(summary)  # JSON-friendly
+
+
+def test_belady_keeps_what_comes_back_soonest_and_never_stores_what_never_does(tmp_path):
+    # [1,2] returns at the end, [3,4] never: the offline reference keeps [1,2] and refuses [3,4]
+    path = write_trace(tmp_path, [(0, 1024, [1, 2]), (1, 1024, [3, 4]), (2, 1024, [5, 6]), (3, 1024, [5, 6]),
+                                  (4, 1024, [1, 2])])
+    b, lru = simulate(path, 4, "belady"), simulate(path, 4, "lru")
+    assert b["hit_tokens"] == 2048 > lru["hit_tokens"] == 1024
+    assert b["refused"] == 2 and b["evictions"] == 0  # [3,4], used never again; [5,6] fits beside [1,2]
+    assert b["admitted"] + b["refused"] + b["hit_blocks"] == 10
+
+
+def test_belady_bounds_every_policy_on_the_shipped_trace():
+    records = load_requests(SHIPPED, limit=500)
+    unique = unique_blocks(records)
+    for capacity in (unique // 20, unique // 5):
+        bound = simulate(records, capacity, "belady")["hit_tokens"]
+        for name in POLICIES:
+            assert simulate(records, capacity, name)["hit_tokens"] <= bound
+
+
+def test_a_generated_source_is_a_seeded_trace():
+    a = load_requests("gen:chat:60:3")
+    assert len(a) == 60 and a == load_requests("gen:chat:60:3") != load_requests("gen:chat:60:4")
+    assert [r["timestamp"] for r in a] == sorted(r["timestamp"] for r in a)
+    for bad in ("gen:chat:many", "gen:chat:1:2:3"):
+        with pytest.raises(ValueError, match="gen:SHAPE"):
+            load_requests(bad)
+    with pytest.raises(ValueError, match="unknown workload shape"):
+        load_requests("gen:tweets")
