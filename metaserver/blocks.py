@@ -36,9 +36,11 @@ from .membership import Membership
 from . import groups
 from .groups import GROUP_SLOTS, group_key
 from .hits import PendingHits
+from .eviction import ArcPolicy
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
                       VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_key,
-                      replica_prefix, reply_layout, reply_tail, row_layout, row_parent, row_slot, u64, victim_key)
+                      replica_prefix, reply_layout, reply_tail, row_layout, row_parent, row_slot, sortable, u64,
+                      victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
@@ -79,35 +81,90 @@ class Repair:
     ttl_class: str
 
 
+RECENT, FREQUENT = ArcPolicy.RECENT, ArcPolicy.FREQUENT
+FREQUENT_VICTIMS = VICTIM + sortable(FREQUENT)  # under arc, the frequent segment's part of the eviction index
+ARC_STATE = COUNTER + b"arc"  # arc's target share, blocks in the recent segment, ghosts from it
+
+
 class Ranks:
     """Eviction ranks, lowest evicted first, by the rules of eviction.py's policies
     (which the trace simulator runs): lru ranks by last use; lfuda by L +
     log2(hits), L rising to each victim's rank, with the hit counts of evicted
     blocks remembered (the ghost, in RocksDB: at most `ghost_factor` x the most
-    blocks ever cached) so a prefix that returns resumes its count."""
+    blocks ever cached) so a prefix that returns resumes its count.
+
+    arc ranks a block RECENT (used once) or FREQUENT: the eviction index then holds
+    the recent segment's leaves, least recently used first, before the frequent
+    one's (from FREQUENT_VICTIMS on). Which one gives up the next victims is
+    ArcPolicy's rule (BlockTable._frequent_first), with the cache's sizes in blocks
+    (the most it ever held for the whole), decided once per eviction call, not per
+    victim.
+    The ghost (twice the most blocks ever cached) tells which segment a returning
+    block left from by its hit count. A metaserver switched to arc from another
+    policy starts its counts afresh; its old ranks give way as blocks are used."""
 
     def __init__(self, policy: str, db: MetaDB, ghost_factor: float = 4.0):
         self.policy = policy
         self.db = db
-        self.ghost_factor = ghost_factor
+        self.arc = policy == "arc"
+        self.remembers = policy in ("lfuda", "arc")
+        self.ghost_factor = 2.0 if self.arc else ghost_factor
         raw = db.get(COUNTER + b"aging")
         self.aging = struct.unpack(">d", raw)[0] if raw else 0.0
+        raw = db.get(ARC_STATE) if self.arc else None  # other policies delete it: stale once they ran
+        self.target, self.recent, self.recent_ghosts = struct.unpack(">dqq", raw) if raw else (0.5, 0, 0)
 
     def rank(self, hits: int, now: float) -> float:
+        if self.arc:
+            return RECENT if hits < 2 else FREQUENT
         return now if self.policy == "lru" else self.aging + math.log2(max(1, hits))
 
+    def counted(self, rank: float, n: int) -> None:
+        """`n` blocks of this rank came (+) or went (-)."""
+        if self.arc and rank == RECENT:
+            self.recent = max(0, self.recent + n)
+
+    def within_share(self, peak_blocks: int) -> bool:
+        """Under arc, whether the recent segment is within its share of the cache."""
+        return self.arc and self.recent <= self.target * peak_blocks
+
+    def stage(self, batch: Batch) -> None:
+        batch.put(COUNTER + b"aging", struct.pack(">d", self.aging))
+        if self.arc:
+            batch.put(ARC_STATE, struct.pack(">dqq", self.target, self.recent, self.recent_ghosts))
+        else:
+            batch.delete(ARC_STATE)
+
     def evicted(self, batch: Batch, full: bytes, row: Row, table: BlockTable) -> None:
-        if self.policy != "lfuda":
+        if not self.remembers:
             return
-        self.aging = max(self.aging, row.rank)  # persisted with the batch's counters
+        if self.arc:
+            self.recent_ghosts += row.hits < 2
+        else:
+            self.aging = max(self.aging, row.rank)  # persisted with the batch's counters
         table.ghost_seq += 1
         batch.put(GHOST + full, struct.pack(">IQ", row.hits, table.ghost_seq))
         batch.put(GHOST_ORDER + u64(table.ghost_seq) + full, b"")
         table.ghosts += 1
 
+    def forgotten(self, hits: int, table: BlockTable, returned: bool) -> None:
+        """A ghost (of a block evicted with `hits`) is gone: the block `returned`, or
+        the ghost was the oldest past the bound. A returning block teaches arc its
+        target: ArcPolicy._learn."""
+        table.ghosts -= 1
+        if not self.arc:
+            return
+        recent = hits < 2
+        self.recent_ghosts = max(0, self.recent_ghosts - recent)
+        if returned:
+            mine = (self.recent_ghosts if recent else table.ghosts - self.recent_ghosts) + 1
+            other = table.ghosts - self.recent_ghosts if recent else self.recent_ghosts
+            step = max(other / mine, 1.0) / max(1, table.peak_blocks)
+            self.target = min(1.0, self.target + step) if recent else max(0.0, self.target - step)
+
     def remembered(self, fulls: list[bytes]) -> list[tuple[int, int] | None]:
         """(hit count, ghost sequence) the ghost holds for each of these blocks, or None."""
-        if self.policy != "lfuda" or not fulls:
+        if not self.remembers or not fulls:
             return [None] * len(fulls)
         return [struct.unpack(">IQ", raw) if raw else None for raw in self.db.db.get([GHOST + f for f in fulls])]
 
@@ -245,7 +302,8 @@ class BlockTable:
         # Each scan starts from its floor instead: no entry sorts below it, as every
         # new entry lowers it (leaf(), expires()).
         self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
-        self.tenant_floors: dict[bytes, bytes] = {}  # the same, per tenant index evicted from
+        # the same, per tenant index evicted from and for arc's frequent segment
+        self.index_floors: dict[bytes, bytes] = {FREQUENT_VICTIMS: FREQUENT_VICTIMS}
         self.hits = PendingHits()  # since the last flush, a run of blocks an entry
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
@@ -263,7 +321,7 @@ class BlockTable:
                             (b"ghost_seq", self.ghost_seq), (b"ghosts", self.ghosts),
                             (b"next_slot", self.next_slot)):
             batch.put(COUNTER + name, u64(value))
-        batch.put(COUNTER + b"aging", struct.pack(">d", self.ranks.aging))
+        self.ranks.stage(batch)
         self.usage.stage(batch)
 
     def ttl_of(self, ttl_class: str) -> float:
@@ -326,11 +384,13 @@ class BlockTable:
         """Stages an eviction index entry (`victim_key`), and its tenant's copy."""
         batch.put(victim, b"")
         self.victim_floor = min(self.victim_floor, victim)
+        if victim.startswith(FREQUENT_VICTIMS):
+            self.index_floors[FREQUENT_VICTIMS] = min(self.index_floors[FREQUENT_VICTIMS], victim)
         mine = self.tenant_victim(victim)
         batch.put(mine, b"")
         tid = mine[: len(TENANT_VICTIM) + TENANT_ID_BYTES]
-        if tid in self.tenant_floors:
-            self.tenant_floors[tid] = min(self.tenant_floors[tid], mine)
+        if tid in self.index_floors:
+            self.index_floors[tid] = min(self.index_floors[tid], mine)
 
     def unleaf(self, batch: Batch, victim: bytes) -> None:
         """Stages the deletion of an eviction index entry and its tenant's copy."""
@@ -500,6 +560,8 @@ class BlockTable:
             ttl, last_used, depth, hits, created, _ = old
             last, hits = max(last, last_used), min(hits + count, 0xFFFF_FFFF)
             rank = self.ranks.rank(hits, last)
+            self.ranks.counted(old[5], -1)
+            self.ranks.counted(rank, 1)
             batch.delete(expiry_key(last_used + ttl, full))
             self.expires(batch, expiry_key(last + ttl, full))
             if leaf is not None:
@@ -508,6 +570,7 @@ class BlockTable:
             changes.setdefault(g, []).append((k, (ttl, last, depth, hits, created, rank)))
         for g, changed in changes.items():  # rows rewritten in place: no other change of them is in this batch
             batch.put(names[g], groups.with_uses(values[g], rests[g], changed))
+        self.ranks.stage(batch)  # arc's segment sizes moved with the ranks
         self.db.write(batch)
         return blocks
 
@@ -542,6 +605,7 @@ class BlockTable:
             for n in old.servers:
                 batch.delete(replica_key(n, full))
             garbage += self.stored_chunks(old)
+            self.ranks.counted(old.rank, -1)
             self.blocks -= 1
             self.payload_bytes -= old.nbytes
             self.cache_bytes -= old.footprint
@@ -568,8 +632,9 @@ class BlockTable:
                 batch.delete(GHOST + full)
                 batch.delete(GHOST_ORDER + u64(ghost[1]) + full)
                 consumed.add(full)
-                self.ghosts -= 1
+                self.ranks.forgotten(ghost[0], self, returned=True)
             row.rank = self.ranks.rank(row.hits, row.last_used)
+            self.ranks.counted(row.rank, 1)
             old = replaced.get(full)
             row.slot = old.slot if old is not None else slots.place(full, parent)
             slots.of[full] = row.slot
@@ -610,7 +675,7 @@ class BlockTable:
             raw = self.db.get(GHOST + full)
             if raw is not None and struct.unpack(">IQ", raw)[1] == struct.unpack_from(">Q", key, 1)[0]:
                 batch.delete(GHOST + full)
-                self.ghosts -= 1
+                self.ranks.forgotten(struct.unpack(">IQ", raw)[0], self, returned=False)
 
     # ---- removal ---------------------------------------------------------
 
@@ -635,6 +700,7 @@ class BlockTable:
             b.delete(replica_key(n, full))
         staged.removed[full] = row
         staged.chunks += self.stored_chunks(row)
+        self.ranks.counted(row.rank, -1)
         self.blocks -= 1
         self.payload_bytes -= row.nbytes
         self.cache_bytes -= row.footprint
@@ -724,19 +790,49 @@ class BlockTable:
         are freed or `limit` blocks went, or (with `deadline`, a perf_counter time)
         time is up, one block at least (or 64 candidates looked at). Blocks in `pinned`, their ancestors and
         blocks hit since the last flush stay. With `tenant`, only that tenant's
-        blocks go, taken from its own index. Returns (blocks, their chunks)."""
+        blocks go, taken from its own index (under arc, its recent segment first).
+        Returns (blocks, their chunks)."""
+        if tenant is None and self._frequent_first():
+            n, chunks, freed = self._evict(FREQUENT_VICTIMS, nbytes, pinned, limit, None, deadline)
+            if freed >= nbytes or n >= limit or (n and deadline is not None and time.perf_counter() > deadline):
+                return n, chunks
+            # no frequent block is a leaf (or none could go): the recent segment gives up the rest
+            more, more_chunks, _ = self._evict(VICTIM, nbytes - freed, pinned, limit - n, None, deadline)
+            return n + more, chunks + more_chunks
+        index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
+        n, chunks, _ = self._evict(index, nbytes, pinned, limit, tenant, deadline)
+        return n, chunks
+
+    def _frequent_first(self) -> bool:
+        """Whether arc's frequent segment gives up the next victims: the recent one is
+        within its share and the frequent one's oldest leaf is older than its own
+        (their index entries' last use, as sortable bytes: byte order is time order)."""
+        if not self.ranks.within_share(self.peak_blocks):
+            return False
+        frequent = next(self.db.scan(FREQUENT_VICTIMS, start=self.index_floors[FREQUENT_VICTIMS], limit=1), None)
+        if frequent is None:
+            return False
+        recent = next(self.db.scan(VICTIM, start=self.victim_floor, stop=FREQUENT_VICTIMS, limit=1), None)
+        at = slice(len(FREQUENT_VICTIMS), len(FREQUENT_VICTIMS) + 8)
+        return recent is None or frequent[0][at] < recent[0][at]
+
+    def _evict(self, index: bytes, nbytes: int, pinned: set[bytes], limit: int, tenant: str | None,
+               deadline: float | None) -> tuple[int, list[meta_pb2.StoredChunk], int]:
+        """evict(), from the entries under `index` (the eviction index, arc's frequent
+        part of it, or a tenant's) and the parents they leave as leaves; also the
+        bytes freed."""
         staged = Staged()
         reader = Reader(self.db)
-        index = VICTIM if tenant is None else TENANT_VICTIM + tenant_id(tenant)
-        floor = self.victim_floor if tenant is None else self.tenant_floors.get(index, index)
+        floor = self.victim_floor if index == VICTIM else self.index_floors.get(index, index)
         entries = (k for k, _ in self.db.scan(index, start=floor))  # read one at a time, as needed
         ahead, unread = next(entries, None), False  # the index's next entry not yet taken
         if ahead is not None:  # what lies below is deleted entries only
-            if tenant is None:
+            if index == VICTIM:
                 self.victim_floor = ahead
             else:
-                self.tenant_floors[index] = ahead
-        run = len(index) + 16  # an entry's rank and last use: a commit's run of blocks shares them
+                self.index_floors[index] = ahead
+        base = VICTIM if tenant is None else index  # where an entry's rank begins
+        run = len(base) + 16  # an entry's rank and last use: a commit's run of blocks shares them
         last = b""  # the candidate taken last
         freed = 0
         heap: list[bytes] = []  # candidates: parents that became leaves
@@ -788,7 +884,7 @@ class BlockTable:
             freed += row.footprint
         self.write(staged)
         self.evicted += len(staged.removed)
-        return len(staged.removed), staged.chunks
+        return len(staged.removed), staged.chunks, freed
 
     # ---- replicas --------------------------------------------------------
 

@@ -8,7 +8,7 @@ from kvfs.config import (KiB, MiB, check_choices, check_listen, duration_field, 
                          size_field)
 from kvfs.logs import log_format_option
 
-from .eviction import DEFAULT_POLICY, SERVED
+from .eviction import DEFAULT_POLICY, POLICIES
 
 
 def parse_quotas(text: str) -> dict[str, tuple[int, float]]:
@@ -96,8 +96,9 @@ class MetaserverConfig:
     max_block_bytes: int = size_field(256 * MiB, "largest block (a layout's payload bytes) an AllocateBlocks may "
                                       "ask for")
     eviction_policy: str = option(DEFAULT_POLICY, "which cached blocks capacity eviction drops first, leaves "
-                                  "before their parents: lfuda (least frequently used, aged) or lru",
-                                  SERVED)
+                                  "before their parents: arc (adaptive replacement: a recent and a frequent segment, "
+                                  "their split learnt), lfuda (least frequently used, aged) or lru",
+                                  tuple(POLICIES))
     evict_high: float = option(0.90, "capacity eviction starts when cached blocks would pass this share of "
                                "the live servers' capacity divided by replicas")
     evict_low: float = option(0.80, "and evicts until cached blocks take this share of it")

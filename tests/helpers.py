@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import struct
 import time
 
 
@@ -171,6 +172,11 @@ def assert_metadata_consistent(state):
     assert len(state.blocks) == len(stored)
     assert state.cache_bytes == sum(r.footprint for r in stored.values())
     assert all(r.depth == (stored[parent[f]].depth + 1 if f in parent else 0) for f, r in stored.items())
+    ranks = state.blocks.ranks
+    if ranks.arc:  # its segments' sizes are running counts: they must stay the counts
+        assert ranks.recent == sum(r.rank == ranks.rank(1, 0) for r in stored.values())
+        ghosts = [struct.unpack(">IQ", v)[0] for _, v in state.db.scan(records.GHOST)]
+        assert (state.blocks.ghosts, ranks.recent_ghosts) == (len(ghosts), sum(h < 2 for h in ghosts))
 
 
 def local_read_grant(namespace_digest: bytes, ttl: float = 600, tenant: str = "tests") -> bytes:

@@ -14,11 +14,12 @@ import functools
 
 import pytest
 
+from kvfs.metaserver.blocks import FREQUENT
 from kvfs.metaserver.config import MetaserverConfig
 from kvfs.keys import Namespace, block_keys
 from kvfs.metaserver import records
 from kvfs.metaserver.db import Batch
-from kvfs.metaserver.eviction import DEFAULT_POLICY, SERVED
+from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES
 from kvfs.proto import meta_pb2
 
 from helpers import Clock, assert_metadata_consistent as assert_consistent, block_rows as rows, keys_under
@@ -60,7 +61,7 @@ def cached(state, keys) -> list[bool]:
     return [state.blocks.row(NS.digest + k) is not None for k in keys]
 
 
-@pytest.mark.parametrize("policy", sorted(SERVED))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low_one(make_state, policy):
     clock = Clock()
     state = make_state(clock, policy)
@@ -147,7 +148,7 @@ def test_a_lost_block_takes_its_descendants_along(make_state):
     assert_consistent(state)
 
 
-@pytest.mark.parametrize("policy", sorted(SERVED))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_reopening_keeps_the_cached_set_and_keeps_evicting_leaves_first(make_state, policy):
     clock = Clock()
     state = make_state(clock, policy)
@@ -268,7 +269,7 @@ def test_blocks_an_allocation_finds_present_stay_while_it_looks_up_the_rest(make
 
 def test_config_choices_are_the_policies():
     field = {f.name: f for f in dataclasses.fields(MetaserverConfig)}["eviction_policy"]
-    assert set(field.metadata["choices"]) == set(SERVED)
+    assert set(field.metadata["choices"]) == set(POLICIES)
     assert MetaserverConfig().eviction_policy == DEFAULT_POLICY
     with pytest.raises(ValueError, match="evict_low"):
         MetaserverConfig(evict_high=0.5, evict_low=0.7)
@@ -472,4 +473,44 @@ def test_deletes_queued_for_a_server_that_is_down_never_stop_eviction(make_state
     assert state.cache_bytes <= 0.8 * state.capacity_bytes(), f"eviction stopped after {slices} slices"
     assert not state.deletes_backed_up()
     assert len(state.undeleted["cs-2"]) == 4 and state.deletes_left_to_gc > 0  # held for its return, bounded
+    assert_consistent(state)
+
+
+def test_arc_splits_the_cache_between_a_recent_and_a_frequent_segment_and_learns_the_split(make_state):
+    clock = Clock()
+    state = make_state(clock, "arc")
+    for i in range(4):  # the shared prompt, then conversations 0-3, each used twice: the frequent segment
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+        clock.now = 1004 + i
+        serve(state, conversation(i))
+    for i in range(4, 9):  # conversations 4-8, used once: the recent segment; 40 blocks in all
+        clock.now = 1010 + i
+        serve(state, conversation(i))
+    state.flush_last_used()
+    ranks = state.blocks.ranks
+    assert (ranks.recent, state.blocks.peak_blocks, ranks.target) == (20, 40, 0.5)
+    assert_consistent(state)
+    c0, c1, c4 = conversation(0), conversation(1), conversation(4)
+    clock.now = 1020
+    serve(state, conversation(9))  # past the high watermark, with 20 recent blocks: not over half of 40
+    # so the older of the two segments' oldest leaves goes first: conversation 0's (LFU-DA would take 4's)
+    assert cached(state, c0) == [True] * 4 + [False] * 4 and all(cached(state, c4))
+    assert (ranks.recent, ranks.recent_ghosts, state.blocks.ghosts) == (24, 0, 4)  # conversation 9 came in
+    assert_consistent(state)
+    clock.now = 1021
+    assert serve(state, c0)[0] == 4  # wanted again after its eviction from the frequent segment
+    # its write made room first: 24 recent blocks are over half, so they gave up conversation 4's,
+    # though conversation 1's are older (LRU would take those)
+    assert cached(state, c4) == [True] * 4 + [False] * 4 and all(cached(state, c1))
+    assert ranks.recent_ghosts == 4
+    # then its 4 blocks came back from the frequent ghosts, each lowering the recent share by ARC's
+    # step: max(recent ghosts / (frequent ghosts left + 1), 1) over the 40 blocks the cache held at most
+    assert ranks.target == pytest.approx(0.5 - (4 / 4 + 4 / 3 + 4 / 2 + 4 / 1) / 40)
+    assert [state.blocks.row(NS.digest + k).rank for k in c0] == [FREQUENT] * 8
+    assert_consistent(state)
+    target, recent = ranks.target, ranks.recent
+    state.close()
+    state = make_state(clock, "arc", register=False)
+    assert (state.blocks.ranks.target, state.blocks.ranks.recent) == (target, recent)  # persisted
     assert_consistent(state)
