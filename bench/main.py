@@ -119,45 +119,66 @@ def _restore(args) -> int:
     from rich.progress import Progress
 
     from kvfs.engine import ModelConfig
+    from kvfs.engine.simulated import simulated
     from kvfs.keys import Namespace
     from .restore import make_workload, merge_passes, prompt_maker, run_policy, warm_up
 
-    cfg = ModelConfig.preset(args.preset)
+    sim = simulated(args.compute) if args.compute else None
+    cfg = sim.shapes if sim else ModelConfig.preset(args.preset)
+    model = f"SIMULATED COMPUTE {sim.name} ({sim.source}), every byte of I/O real" if sim else \
+        f"the {args.preset} model"
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
     policies = args.policy.split(",")
     workload = make_workload(args.prompt_tokens, args.hit_ratio, args.requests, args.seed)
     hits = sum(r.hit for r in workload)
     amount = (f"{len(workload)} requests ({hits} hits)" if args.duration is None else
               f"{args.duration:g} s per policy cycling {len(workload)} requests ({hits} hits)")
-    console.print(f"kvfs-bench restore: {amount}, lengths {args.prompt_tokens}, concurrency {args.concurrency}, "
-                  f"the {args.preset} model, policies {', '.join(policies)}")
-    ns = Namespace("bench", f"restore-{args.preset}-{args.seed}")
+    load = f"Poisson arrivals at {args.rates} requests/s, at most {args.concurrency} in service" if args.rates \
+        else f"concurrency {args.concurrency}"
+    console.print(f"kvfs-bench restore: {amount}, lengths {args.prompt_tokens}, {load}, {model}, "
+                  f"policies {', '.join(policies)}")
+    ns = Namespace("bench", f"restore-{sim.name if sim else args.preset}-{args.seed}")
     results = []
     with _cluster(args) as meta, Progress(console=console, transient=True) as progress:
         task = progress.add_task("warm-up: writing the hits' prefixes", total=len(workload))
         asyncio.run(warm_up(meta, cfg, workload, prompt_maker(cfg, workload, args.seed, 0), ns,
-                            lambda: progress.advance(task)))
+                            lambda: progress.advance(task), simulated=sim))
         # passes alternate the order (A B C, C B A, ...) so that drift on a shared machine
         # (page cache, other load) does not favour whichever policy runs first
-        passes: dict[str, list[dict]] = {p: [] for p in policies}
         run = 0
-        for k in range(args.repeat):
-            for policy in policies if k % 2 == 0 else policies[::-1]:
-                run += 1
-                task = progress.add_task(f"pass {k + 1}: policy {policy}",
-                                         total=len(workload) if args.duration is None else None)
-                passes[policy].append(asyncio.run(run_policy(
-                    meta, cfg, policy, workload, prompt_maker(cfg, workload, args.seed, run), args.concurrency,
-                    ns, args.duration, lambda t=task: progress.advance(t))))
-        results = [merge_passes(passes[p]) for p in policies]
-    console.print(_policy_table(results))
-    config = {"preset": args.preset, "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
+        for rate in rates:
+            passes: dict[str, list[dict]] = {p: [] for p in policies}
+            for k in range(args.repeat):
+                for policy in policies if k % 2 == 0 else policies[::-1]:
+                    run += 1
+                    task = progress.add_task(f"pass {k + 1}: policy {policy}" + (f" at {rate:g}/s" if rate else ""),
+                                             total=len(workload) if args.duration is None else None)
+                    passes[policy].append(asyncio.run(run_policy(
+                        meta, cfg, policy, workload, prompt_maker(cfg, workload, args.seed, run), args.concurrency,
+                        ns, args.duration, lambda t=task: progress.advance(t), simulated=sim, rate=rate,
+                        seed=args.seed)))
+            at_rate = [merge_passes(passes[p]) for p in policies]
+            if rate:
+                console.print(f"offered load {rate:g} requests/s")
+            console.print(_policy_table(at_rate))
+            results += at_rate
+    config = {"preset": None if sim else args.preset, "compute": None if sim is None else {
+                  "name": sim.name, "simulated": True, "tokens_per_s": sim.tokens_per_s,
+                  "attention_context": sim.attention_context, "decode_s": sim.decode_s, "source": sim.source},
+              "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
               "requests": args.requests, "duration": args.duration, "concurrency": args.concurrency,
-              "policies": policies, "seed": args.seed, "hits": hits, "chunkservers": args.chunkservers,
-              "repeat": args.repeat,
-              "meta": args.meta}
+              "rates": rates if args.rates else None, "policies": policies, "seed": args.seed, "hits": hits,
+              "chunkservers": args.chunkservers, "repeat": args.repeat, "meta": args.meta}
     _write_json(args.json, {"bench": "restore", **_host(), "config": config, "results": results})
-    _plot(args.plot, results, f"kvfs-bench restore: {args.prompt_tokens} tokens, hit ratio {args.hit_ratio}, "
-                              f"concurrency {args.concurrency}, {args.preset} model")
+    title = f"kvfs-bench restore: {args.prompt_tokens} tokens, hit ratio {args.hit_ratio}, " + \
+        (f"simulated compute {sim.name}, real I/O" if sim else f"the {args.preset} model")
+    if args.plot and args.rates:
+        from .plot import load_sweep
+
+        load_sweep(results, args.plot, title)
+        console.print(f"wrote {args.plot}")
+    else:
+        _plot(args.plot, results, f"{title}, concurrency {args.concurrency}")
     return 0
 
 
@@ -537,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--concurrency", type=int, default=8)
     restore.add_argument("--policy", default="adaptive,always-restore,always-recompute")
     restore.add_argument("--seed", type=int, default=0)
+    restore.add_argument("--compute", help="replace the model's work by a simulated GPU's time (deepseek-v3): "
+                         "a bench mode where restores compete with fast prefills; every byte of I/O stays real")
+    restore.add_argument("--rates", help="open loop: a load sweep, Poisson arrivals at each of these requests/s "
+                         "(--concurrency caps requests in service)")
     restore.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")
     restore.add_argument("--chunkservers", type=int, default=3)
     trace = sub.add_parser("trace", help="replay a Mooncake-format trace through the engine and cluster")

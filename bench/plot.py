@@ -1,4 +1,5 @@
-"""`--plot PATH.png`: time-to-first-token CDFs per policy (all requests, hits, misses)."""
+"""`--plot PATH.png`: time-to-first-token CDFs per policy (all requests, hits, misses), or with
+`restore --rates`, p50 and p99 against offered load."""
 
 from __future__ import annotations
 
@@ -23,6 +24,30 @@ def ttft_cdfs(results: list[dict], path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     axes[0].set_ylabel("fraction of requests")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_sweep(results: list[dict], path: str, title: str) -> None:
+    """p50 and p99 time to first token against offered load, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    for ax, q in zip(axes, ("p50", "p99")):
+        for policy in dict.fromkeys(r["policy"] for r in results):
+            points = sorted((r["offered_rate"], r["ttft_all"][q]) for r in results
+                            if r["policy"] == policy and r["ttft_all"].get("count"))
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(f"{q} time to first token (s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvfs.client import BufferPool, Client
 from kvfs.engine import Engine, ModelConfig
 from kvfs.engine.admission import AdmissionController
+from kvfs.engine.simulated import SimulatedCompute
 from kvfs.keys import Namespace
 
 
@@ -75,10 +76,10 @@ def percentiles(values: list[float]) -> dict:
 
 
 async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompt, namespace: Namespace,
-                  progress=None) -> None:
+                  progress=None, simulated: SimulatedCompute | None = None) -> None:
     """Computes and writes back every hit's prompt, so the hits hit."""
     async with Client(meta) as client:
-        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0))
+        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), simulated=simulated)
         for i, req in enumerate(workload):
             if req.hit:
                 result = await engine.agenerate(prompt(i), 1)
@@ -90,13 +91,15 @@ async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompt, 
 
 
 async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace, requests, concurrency: int,
-                 speed: float = 1.0, duration: float | None = None, progress=None) -> dict:
+                 speed: float = 1.0, duration: float | None = None, progress=None,
+                 simulated: SimulatedCompute | None = None) -> dict:
     """Serves (arrival seconds, tokens, hit) requests through one engine under `policy`,
     at most `concurrency` at a time, arrivals divided by `speed`, none started after
     `duration` seconds. `hit` None means "counted a hit when kvfs held a prefix of it"."""
     admission = AdmissionController(policy=policy)
     async with Client(meta) as client:
-        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission)
+        engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission,
+                        simulated=simulated)
         slots = asyncio.Semaphore(concurrency)
         ttft = {"hit": [], "miss": []}
         totals = {"prompt_tokens": 0, "cached_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0,
@@ -167,16 +170,23 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
 
 
 async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Request], prompt,
-                     concurrency: int, namespace: Namespace, duration: float | None = None, progress=None) -> dict:
+                     concurrency: int, namespace: Namespace, duration: float | None = None, progress=None,
+                     simulated: SimulatedCompute | None = None, rate: float | None = None, seed: int = 0) -> dict:
     """Closed loop: `concurrency` requests in service, the workload in order (cycled
-    until `duration` seconds when given); `prompt(i)` is request i's tokens."""
+    until `duration` seconds when given); `prompt(i)` is request i's tokens. With
+    `rate`, open loop: Poisson arrivals at that many requests a second (seeded: every
+    policy sees the same times), at most `concurrency` in service."""
     if duration is None:
         order = range(len(workload))
     else:
         order = itertools.count()
-    requests = ((0.0, prompt(i), workload[i % len(workload)].hit) for i in order)
+    gaps = random.Random(f"{seed}-arrivals")
+    arrivals = itertools.accumulate(gaps.expovariate(rate) for _ in itertools.count()) if rate else \
+        itertools.repeat(0.0)
+    requests = ((at, prompt(i), workload[i % len(workload)].hit) for i, at in zip(order, arrivals))
     result = await _serve(meta, cfg, policy, namespace, requests, concurrency, duration=duration,
-                          progress=progress)
+                          progress=progress, simulated=simulated)
+    result["offered_rate"] = rate
     del result["token_hit_ratio"]  # the workload sets it
     return result
 

@@ -28,6 +28,7 @@ from .admission import AdmissionController, Decision, ImmediateWriteBacks, NoAdm
 from .cache import KVCache
 from .compute_queue import ComputeQueue
 from .config import ModelConfig
+from .simulated import SimulatedCompute, SimulatedModel
 from .weights import build_model
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ class Engine:
     """
 
     def __init__(self, config: ModelConfig, client, namespace: Namespace, *, checkpoint=None, pool=None,
-                 ttl_class: str = "chat", write_back: bool = True, admission: AdmissionController | None = None):
+                 ttl_class: str = "chat", write_back: bool = True, admission: AdmissionController | None = None,
+                 simulated: SimulatedCompute | None = None):
+        """`simulated`: benchmarks only; the model's work is replaced by that compute
+        model's time (simulated.py) and `config` should be its `shapes`."""
         from kvfs.client import BufferPool, SyncClient
 
         self.cfg = config
@@ -99,7 +103,7 @@ class Engine:
         self._sync = client if isinstance(client, SyncClient) else None
         self.client = client._client if self._sync else client
         self.layout = config.block_layout(self.client.block_tokens)
-        self.model = build_model(config, checkpoint)
+        self.model = build_model(config, checkpoint) if simulated is None else SimulatedModel(simulated)
         self.pool = pool if pool is not None else BufferPool()
         self.ttl_class = ttl_class
         self.write_back = write_back

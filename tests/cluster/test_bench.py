@@ -95,6 +95,26 @@ def test_restore_bench_report_shape_and_counts(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_restore_bench_with_simulated_compute_sweeps_offered_load(tmp_path):
+    plot = tmp_path / "sweep.png"
+    report, stdout = run(["restore", "--compute", "deepseek-v3", "--prompt-tokens", "200", "--requests", "6",
+                          "--rates", "40,80", "--concurrency", "3", "--hit-ratio", "0.5", "--chunkservers", "2",
+                          "--policy", "adaptive,always-recompute", "--plot", str(plot)], tmp_path)
+    config, results = report["config"], report["results"]
+    assert config["compute"]["simulated"] and config["compute"]["name"] == "deepseek-v3" and config["preset"] is None
+    assert [(r["offered_rate"], r["policy"]) for r in results] == [
+        (40.0, "adaptive"), (40.0, "always-recompute"), (80.0, "adaptive"), (80.0, "always-recompute")]
+    for r in results:
+        assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == r["requests"] == 6
+        assert sum(r["decisions"].values()) == config["hits"]
+        # the simulated model writes back real bytes: 3 full blocks of 61 layers x 64 tokens x 576 x 2 per miss
+        assert r["bytes_written"] % (61 * 64 * 576 * 2) == 0
+    if config["hits"]:
+        assert results[0]["bytes_restored"] > 0 or results[0]["decisions"].get("recompute") == config["hits"]
+    assert "SIMULATED COMPUTE" in stdout and "offered load 80" in stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_restore_bench_runs_for_a_duration(tmp_path):
     report, _ = run(["restore", "--preset", "tiny", "--prompt-tokens", "130", "--requests", "3", "--duration", "2",
                      "--concurrency", "2", "--hit-ratio", "0.7", "--policy", "adaptive", "--chunkservers", "2",
