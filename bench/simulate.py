@@ -102,13 +102,9 @@ class BeladyPolicy(Policy):
             return False
         if len(self) < self.capacity_blocks:
             return True
-        while self._heap:  # the farthest-used cached leaf: worth more than this block?
-            rank, _, _, stamp, k = self._heap[0]
-            block = self.blocks.get(k)
-            if block is not None and block.stamp == stamp and not block.children:
-                return mine < -rank
+        while self._heap and not self._live(self._heap[0]):
             heapq.heappop(self._heap)
-        return False
+        return bool(self._heap) and mine < -self._heap[0][0]  # sooner than the farthest-used cached leaf
 
 
 def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int | None = None) -> dict:

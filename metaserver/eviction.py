@@ -147,23 +147,36 @@ class Policy:
         deletes exactly these. `pinned` blocks (in use by a request) stay,
         and so do their ancestors."""
         out: list[Key] = []
-        held = []
         freed = 0
-        while freed < bytes_to_free and self._heap:
-            entry = heapq.heappop(self._heap)
-            key, stamp = entry[-1], entry[-2]
-            block = self.blocks.get(key)
-            if block is None or block.stamp != stamp or block.children:
-                continue
-            if key in pinned:
-                held.append(entry)
-                continue
+        while freed < bytes_to_free and (got := self._pop_leaf(self._heap, pinned)) is not None:
+            key, block = got
             out.append(key)
             freed += block.size
             self._drop(key, block, evicted=True)
-        for entry in held:
-            heapq.heappush(self._heap, entry)
         return out
+
+    def _live(self, entry: tuple) -> _Block | None:
+        """The block a heap entry stands for, if the entry is its current one and it is a leaf."""
+        block = self.blocks.get(entry[-1])
+        return block if block is not None and block.stamp == entry[-2] and not block.children else None
+
+    def _pop_leaf(self, heap: list, pinned: Collection[Key]) -> tuple[Key, _Block] | None:
+        """The first leaf on `heap` not in `pinned`, taken off it (stale entries dropped)."""
+        held = []
+        try:
+            while heap:
+                entry = heapq.heappop(heap)
+                block = self._live(entry)
+                if block is None:
+                    continue
+                if entry[-1] in pinned:
+                    held.append(entry)
+                    continue
+                return entry[-1], block
+            return None
+        finally:
+            for entry in held:
+                heapq.heappush(heap, entry)
 
     def over_high(self, capacity: int, incoming: int = 0) -> bool:
         """Would `incoming` more bytes take usage past the high watermark?"""
@@ -181,11 +194,7 @@ class Policy:
 
     def _compact(self) -> None:
         """Drops stale entries, so a long-lived cache's heap stays its own size."""
-        live = []
-        for entry in self._heap:
-            block = self.blocks.get(entry[-1])
-            if block is not None and block.stamp == entry[-2] and not block.children:
-                live.append(entry)
+        live = [entry for entry in self._heap if self._live(entry)]
         heapq.heapify(live)
         self._heap = live
 
@@ -332,7 +341,7 @@ class ArcPolicy(Policy):
                 recent, frequent = self._front(self.RECENT), self._front(self.FREQUENT)
                 if frequent is not None and (recent is None or frequent[0] < recent[0]):
                     first = self.FREQUENT
-            got = self._leaf(first, pinned) or self._leaf(3.0 - first, pinned)
+            got = self._pop_leaf(self._heaps[first], pinned) or self._pop_leaf(self._heaps[3.0 - first], pinned)
             if got is None:
                 break
             key, block = got
@@ -344,31 +353,9 @@ class ArcPolicy(Policy):
     def _front(self, segment: float) -> tuple | None:
         """A segment's least recently used leaf's heap entry (stale ones dropped)."""
         heap = self._heaps[segment]
-        while heap:
-            block = self.blocks.get(heap[0][-1])
-            if block is not None and block.stamp == heap[0][-2] and not block.children:
-                return heap[0]
+        while heap and not self._live(heap[0]):
             heapq.heappop(heap)
-        return None
-
-    def _leaf(self, segment: float, pinned: Collection[Key]) -> tuple[Key, _Block] | None:
-        """The least recently used leaf of a segment not in `pinned`, off its heap."""
-        heap, held = self._heaps[segment], []
-        try:
-            while heap:
-                entry = heapq.heappop(heap)
-                key, stamp = entry[-1], entry[-2]
-                block = self.blocks.get(key)
-                if block is None or block.stamp != stamp or block.children:
-                    continue
-                if key in pinned:
-                    held.append(entry)
-                    continue
-                return key, block
-            return None
-        finally:
-            for entry in held:
-                heapq.heappush(heap, entry)
+        return heap[0] if heap else None
 
     def _push(self, key: Key, block: _Block) -> None:
         block.stamp = next(self._stamps)
@@ -378,8 +365,7 @@ class ArcPolicy(Policy):
 
     def _compact(self) -> None:
         for segment, heap in self._heaps.items():
-            live = [e for e in heap if (b := self.blocks.get(e[-1])) is not None and b.stamp == e[-2]
-                    and not b.children]
+            live = [entry for entry in heap if self._live(entry)]
             heapq.heapify(live)
             self._heaps[segment] = live
 
