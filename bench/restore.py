@@ -92,10 +92,12 @@ async def warm_up(meta: str, cfg: ModelConfig, workload: list[Request], prompt, 
 
 async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace, requests, concurrency: int,
                  speed: float = 1.0, duration: float | None = None, progress=None,
-                 simulated: SimulatedCompute | None = None) -> dict:
+                 simulated: SimulatedCompute | None = None, from_arrival: bool = False) -> dict:
     """Serves (arrival seconds, tokens, hit) requests through one engine under `policy`,
     at most `concurrency` at a time, arrivals divided by `speed`, none started after
-    `duration` seconds. `hit` None means "counted a hit when kvfs held a prefix of it"."""
+    `duration` seconds. `hit` None means "counted a hit when kvfs held a prefix of it".
+    With `from_arrival`, time to first token counts from the arrival, so a wait for a
+    free slot counts too (an open loop's queue)."""
     admission = AdmissionController(policy=policy)
     async with Client(meta) as client:
         engine = Engine(cfg, client, namespace, pool=BufferPool(arena_bytes=0), admission=admission,
@@ -107,13 +109,14 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
         write_backs, running = [], []
         t0 = time.perf_counter()
 
-        async def serve(tokens, hit):
+        async def serve(tokens, hit, due):
+            queued = max(0.0, time.perf_counter() - due) if from_arrival else 0.0
             try:
                 result = await engine.agenerate(tokens, 1)
             finally:
                 slots.release()
             t = result.timings
-            ttft["hit" if (t.tokens_cached if hit is None else hit) else "miss"].append(t.ttft)
+            ttft["hit" if (t.tokens_cached if hit is None else hit) else "miss"].append(t.ttft + queued)
             totals["prompt_tokens"] += len(tokens)
             totals["cached_tokens"] += t.tokens_cached
             totals["restored"] += t.bytes_restored
@@ -135,7 +138,7 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
             if duration is not None and time.perf_counter() - t0 > duration:
                 slots.release()
                 break
-            running.append(asyncio.get_running_loop().create_task(serve(tokens, hit)))
+            running.append(asyncio.get_running_loop().create_task(serve(tokens, hit, t0 + arrival / speed)))
         served_s = time.perf_counter() - t0
         await asyncio.gather(*running)
         await engine.writebacks.drain()
@@ -185,7 +188,7 @@ async def run_policy(meta: str, cfg: ModelConfig, policy: str, workload: list[Re
         itertools.repeat(0.0)
     requests = ((at, prompt(i), workload[i % len(workload)].hit) for i, at in zip(order, arrivals))
     result = await _serve(meta, cfg, policy, namespace, requests, concurrency, duration=duration,
-                          progress=progress, simulated=simulated)
+                          progress=progress, simulated=simulated, from_arrival=rate is not None)
     result["offered_rate"] = rate
     del result["token_hit_ratio"]  # the workload sets it
     return result
