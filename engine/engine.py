@@ -91,9 +91,9 @@ class Engine:
 
     `client` is a kvfs.client.Client (use `agenerate` from async code) or a
     SyncClient (then `generate` works from plain code). Requests may run
-    concurrently; their model compute shares one thread, a layer at a time, most
-    urgent first (compute_queue.py), while restores and write-backs proceed on the
-    event loop.
+    concurrently; their model compute shares one thread in jobs of a layer or a few,
+    most urgent first (compute_queue.py), while restores and write-backs proceed on
+    the event loop.
     """
 
     def __init__(self, config: ModelConfig, client, namespace: Namespace, *, checkpoint=None, pool=None,
@@ -246,8 +246,9 @@ class Engine:
             self.pool.put(req.buf)
 
     async def _prefill(self, tokens: list[int], cache: KVCache, begin: int, restore, arrived: float):
-        """Computes tokens[begin:] one layer job at a time on the compute queue; between
-        jobs, waits (on the event loop) for the restore to deliver the next layer.
+        """Computes tokens[begin:] in jobs on the compute queue: one a layer while the
+        restore delivers them (waiting between jobs, on the event loop, for the next
+        layer), else layers for up to LAYER_SLICE_S a job.
         Returns (logits, seconds of compute, seconds waited for restored layers)."""
         n, computed, waited, logits = len(tokens), 0.0, 0.0, None
         # in chunks, so attention's memory stays chunk x context, not context^2;
