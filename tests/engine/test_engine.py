@@ -279,3 +279,23 @@ async def test_layers_that_wait_for_nothing_share_a_compute_job(local_cluster):
         assert hit.timings.bytes_restored == 3 * sim.shapes.block_layout().payload_bytes
         assert len(jobs) >= 61  # the last token's prefill, a layer at a time behind the restore
         engine.close()
+
+
+async def test_an_engine_with_admission_starts_from_its_model_s_measured_speed(local_cluster):
+    """Two short prefills at start seed the prefill model: on a simulated GPU a 2K-token
+    recompute is some 40 ms, which the CPU-sized prior puts at 2 s."""
+    from kvfs.engine.admission import AdmissionController, PrefillModel
+    from kvfs.engine.simulated import simulated
+
+    sim = simulated("deepseek-v3")
+    cluster = local_cluster()
+    async with Client(cluster.meta_address) as client:
+        engine = Engine(sim.shapes, client, Namespace("acme", "sim", "v3"), pool=BufferPool(arena_bytes=0),
+                        admission=AdmissionController(), simulated=sim)
+        prior = PrefillModel().seconds(0, 2048)
+        assert len(engine.prefill_cost._obs) == 2
+        assert sim.prefill_seconds(0, 2048) / 2 < engine.prefill_cost.seconds(0, 2048) < prior / 2
+        engine.close()
+        plain = Engine(TINY, client, NS, pool=BufferPool(arena_bytes=0))
+        assert len(plain.prefill_cost._obs) == 0  # without admission nothing is timed at start
+        plain.close()
