@@ -4,12 +4,24 @@
 from __future__ import annotations
 
 
-def ttft_cdfs(results: list[dict], path: str, title: str) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, fig, path: str, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ttft_cdfs(results: list[dict], path: str, title: str) -> None:
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
     for ax, kind in zip(axes, ("all", "hit", "miss")):
         for r in results:
@@ -24,19 +36,12 @@ def ttft_cdfs(results: list[dict], path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     axes[0].set_ylabel("fraction of requests")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)
 
 
 def load_sweep(results: list[dict], path: str, title: str) -> None:
     """p50 and p99 time to first token against offered load, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
     for ax, q in zip(axes, ("p50", "p99")):
         for policy in dict.fromkeys(r["policy"] for r in results):
@@ -48,7 +53,4 @@ def load_sweep(results: list[dict], path: str, title: str) -> None:
         ax.set_ylabel(f"{q} time to first token (s)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path, title)

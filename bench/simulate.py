@@ -28,7 +28,6 @@ given).
 from __future__ import annotations
 
 import bisect
-import heapq
 import json
 import math
 import os
@@ -102,9 +101,8 @@ class BeladyPolicy(Policy):
             return False
         if len(self) < self.capacity_blocks:
             return True
-        while self._heap and not self._live(self._heap[0]):
-            heapq.heappop(self._heap)
-        return bool(self._heap) and mine < -self._heap[0][0]  # sooner than the farthest-used cached leaf
+        farthest = self._front(self._heap)  # the cached leaf used again last
+        return farthest is not None and mine < -farthest[0]
 
 
 def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int | None = None) -> dict:

@@ -38,6 +38,7 @@ partial last block differs from the full one a longer prompt has there.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import json
@@ -93,21 +94,10 @@ class _Draw:
     def zipf(self, n: int, s: float) -> Callable[[], int]:
         """A sampler of 0 .. n-1, item k with weight 1 / (k + 1)^s."""
         cum = list(itertools.accumulate(1.0 / (k + 1) ** s for k in range(n)))
-        return lambda: min(n - 1, _bisect(cum, self.rng.random() * cum[-1]))
+        return lambda: min(n - 1, bisect.bisect_left(cum, self.rng.random() * cum[-1]))
 
     def fresh(self, tokens: int) -> tuple[int, int]:
         return next(self.pieces), tokens
-
-
-def _bisect(cum: list[float], x: float) -> int:
-    lo, hi = 0, len(cum)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cum[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 # A session is a generator of (seconds after its start, prompt pieces, output tokens).

@@ -111,8 +111,9 @@ class Ranks:
         self.ghost_factor = 2.0 if self.arc else ghost_factor
         raw = db.get(COUNTER + b"aging")
         self.aging = struct.unpack(">d", raw)[0] if raw else 0.0
-        raw = db.get(ARC_STATE) if self.arc else None  # other policies delete it: stale once they ran
-        self.target, self.recent, self.recent_ghosts = struct.unpack(">dqq", raw) if raw else (0.5, 0, 0)
+        raw = db.get(ARC_STATE)
+        self.target, self.recent, self.recent_ghosts = struct.unpack(">dqq", raw) if raw and self.arc else (0.5, 0, 0)
+        self._stale_arc_state = raw is not None and not self.arc  # other policies delete it (once): stale now
 
     def rank(self, hits: int, now: float) -> float:
         if self.arc:
@@ -132,8 +133,9 @@ class Ranks:
         batch.put(COUNTER + b"aging", struct.pack(">d", self.aging))
         if self.arc:
             batch.put(ARC_STATE, struct.pack(">dqq", self.target, self.recent, self.recent_ghosts))
-        else:
+        elif self._stale_arc_state:
             batch.delete(ARC_STATE)
+            self._stale_arc_state = False
 
     def evicted(self, batch: Batch, full: bytes, row: Row, table: BlockTable) -> None:
         if not self.remembers:
