@@ -123,10 +123,11 @@ def _restore(args) -> int:
     from kvfs.keys import Namespace
     from .restore import make_workload, merge_passes, prompt_maker, run_policy, warm_up
 
-    sim = simulated(args.compute) if args.compute else None
+    sim = simulated(args.compute, args.compute_scale) if args.compute else None
     cfg = sim.shapes if sim else ModelConfig.preset(args.preset)
-    model = f"SIMULATED COMPUTE {sim.name} ({sim.source}), every byte of I/O real" if sim else \
+    model = f"SIMULATED COMPUTE {sim.label} ({sim.source}), every byte of I/O real" if sim else \
         f"the {args.preset} model"
+    network = _network_label(args)
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
     policies = args.policy.split(",")
     workload = make_workload(args.prompt_tokens, args.hit_ratio, args.requests, args.seed)
@@ -135,7 +136,7 @@ def _restore(args) -> int:
               f"{args.duration:g} s per policy cycling {len(workload)} requests ({hits} hits)")
     load = f"Poisson arrivals at {args.rates} requests/s, at most {args.concurrency} in service" if args.rates \
         else f"concurrency {args.concurrency}"
-    console.print(f"kvfs-bench restore: {amount}, lengths {args.prompt_tokens}, {load}, {model}, "
+    console.print(f"kvfs-bench restore: {amount}, lengths {args.prompt_tokens}, {load}, {model}, {network}, "
                   f"policies {', '.join(policies)}")
     ns = Namespace("bench", f"restore-{sim.name if sim else args.preset}-{args.seed}")
     results = []
@@ -163,15 +164,16 @@ def _restore(args) -> int:
             console.print(_policy_table(at_rate))
             results += at_rate
     config = {"preset": None if sim else args.preset, "compute": None if sim is None else {
-                  "name": sim.name, "simulated": True, "tokens_per_s": sim.tokens_per_s,
+                  "name": sim.name, "simulated": True, "scale": sim.scale, "tokens_per_s": sim.tokens_per_s,
                   "attention_context": sim.attention_context, "decode_s": sim.decode_s, "source": sim.source},
               "prompt_tokens": args.prompt_tokens, "hit_ratio": args.hit_ratio,
               "requests": args.requests, "duration": args.duration, "concurrency": args.concurrency,
               "rates": rates if args.rates else None, "policies": policies, "seed": args.seed, "hits": hits,
-              "chunkservers": args.chunkservers, "repeat": args.repeat, "meta": args.meta}
+              "chunkservers": args.chunkservers, "repeat": args.repeat, "meta": args.meta,
+              "network": args.network}
     _write_json(args.json, {"bench": "restore", **_host(), "config": config, "results": results})
     title = f"kvfs-bench restore: {args.prompt_tokens} tokens, hit ratio {args.hit_ratio}, " + \
-        (f"simulated compute {sim.name}, real I/O" if sim else f"the {args.preset} model")
+        (f"simulated compute {sim.label}, real I/O" if sim else f"the {args.preset} model") + f", {network}"
     if args.plot and args.rates:
         from .plot import load_sweep
 
@@ -393,16 +395,38 @@ def _meta_tables(r: dict) -> None:
         console.print("metaserver log tail:\n" + r["metaserver"]["log_tail"], markup=False, highlight=False)
 
 
+def _network_label(args) -> str:
+    network = getattr(args, "network", None)
+    if args.meta:
+        return f"the cluster at {args.meta}"
+    if not network:
+        return "a local cluster on loopback"
+    from kvfs.cli.hosts import Link
+
+    return f"SHAPED NETWORK: each server in a network namespace, each chunkserver's link {Link.parse(network)}"
+
+
 @contextlib.contextmanager
 def _cluster(args):
-    """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here."""
+    """The metaserver address to use: `--meta`, or a local cluster started (and stopped) here:
+    with `--network`, each server in a network namespace of its own, each chunkserver's
+    link shaped (cli/hosts.py)."""
     if args.meta:
         yield args.meta
         return
+    from kvfs.cli.hosts import Hosts, Link
     from kvfs.cli.launcher import LocalCluster
 
-    with _scratch() as root:
-        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB")
+    with _scratch() as root, contextlib.ExitStack() as stack:
+        hosts = None
+        if getattr(args, "network", None):
+            link = Link.parse(args.network)
+            if os.geteuid() != 0:
+                raise SystemExit("kvfs-bench: --network builds network namespaces and shapes links: run it as root")
+            hosts = stack.enter_context(Hosts(args.chunkservers + 1))
+            for i in range(1, args.chunkservers + 1):
+                hosts.shape(i, link)
+        cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=2, capacity="16GiB", hosts=hosts)
         try:
             cluster.start()
             with cluster.worker_env():  # the engines' clients connect as the cluster's worker
@@ -560,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--seed", type=int, default=0)
     restore.add_argument("--compute", help="replace the model's work by a simulated GPU's time (deepseek-v3): "
                          "a bench mode where restores compete with fast prefills; every byte of I/O stays real")
+    restore.add_argument("--compute-scale", type=float, default=1.0,
+                         help="with --compute: an accelerator this many times slower than the published figures, "
+                         "to keep a real cluster's ratio of read bandwidth to compute on a machine with slower "
+                         "storage (docs/operations.md)")
+    restore.add_argument("--network", help="each server in a network namespace of its own (root), each "
+                         "chunkserver's link shaped both ways with tc: a rate, e.g. 2gbit")
     restore.add_argument("--rates", help="open loop: a load sweep, Poisson arrivals at each of these requests/s "
                          "(--concurrency caps requests in service)")
     restore.add_argument("--meta", help="an existing cluster's metaserver (default: start a local one)")

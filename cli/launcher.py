@@ -21,12 +21,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvfs import tls
 from kvfs.tls import ADMIN, ANY_TENANT, SERVER, WORKER, Credentials, LocalCA
+
+
+if TYPE_CHECKING:
+    from .hosts import Hosts
 
 
 class LaunchError(RuntimeError):
@@ -224,13 +229,19 @@ class LocalCluster:
 
     Mutual TLS from a local CA (see the module's docstring) unless `insecure`. Every
     server serves Prometheus metrics on a free loopback port (`metrics_address`)
-    unless `metrics` is off.
+    unless `metrics` is off. With `hosts` (hosts.Hosts, created, of at least
+    chunkservers + 1), each server runs in a network namespace of its own, the
+    metaserver on host 0 and chunkserver i on host i + 1, behind its links.
     """
 
     def __init__(self, root: str | os.PathLike, *, chunkservers: int = 3, replicas: int = 2,
                  capacity: str = "4GiB", meta_extra: list[str] | None = None,
                  chunk_extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 insecure: bool = False, metrics: bool = True):
+                 insecure: bool = False, metrics: bool = True, hosts: Hosts | None = None):
+        if hosts is not None and len(hosts.names) <= chunkservers:
+            raise ValueError(f"{chunkservers} chunkservers and a metaserver need {chunkservers + 1} hosts, "
+                             f"not {len(hosts.names)}")
+        self.hosts = hosts
         self.root = pathlib.Path(root)
         self.metrics = metrics
         self.insecure = insecure
@@ -297,27 +308,34 @@ class LocalCluster:
             raise
         return self
 
+    def _host(self, i: int) -> tuple[str, str | None]:
+        """Host i's address and network namespace (loopback and none without hosts)."""
+        return ("127.0.0.1", None) if self.hosts is None else (self.hosts.address(i), self.hosts.names[i])
+
     def start_metaserver(self, timeout: float = 30) -> ServerProcess:
         """(Re)starts the metaserver, on the same addresses as before if it had them."""
-        listen = self.meta.address if self.meta else "127.0.0.1:0"
+        address, netns = self._host(0)
+        listen = self.meta.address if self.meta else f"{address}:0"
         extra = self.meta_extra
         if self.metrics:
-            extra = [*extra, "--metrics-listen", self.meta.metrics_address if self.meta else "127.0.0.1:0"]
+            extra = [*extra, "--metrics-listen", self.meta.metrics_address if self.meta else f"{address}:0"]
         self.meta = start_metaserver(self.root / "metaserver", listen=listen, replicas=self.replicas,
-                                     extra=extra, run_dir=self.root, timeout=timeout, env=self.env, ca=self.ca)
+                                     extra=extra, run_dir=self.root, timeout=timeout, env=self.env,
+                                     netns=netns, ca=self.ca)
         return self.meta
 
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
         """(Re)starts chunkserver i on its data folder (on the same addresses as
         before if it had them) and, by default, waits until the metaserver sees it live."""
         old = self.chunkservers[i]
-        listen = old.address if old else "127.0.0.1:0"
+        address, netns = self._host(i + 1)
+        listen = old.address if old else f"{address}:0"
         extra = ["--meta", self.meta_address, *self.chunk_extra]
         if self.metrics:
-            extra += ["--metrics-listen", old.metrics_address if old else "127.0.0.1:0"]
+            extra += ["--metrics-listen", old.metrics_address if old else f"{address}:0"]
         cs = start_chunkserver(self.root / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}",
                                capacity=self.capacity, listen=listen, run_dir=self.root, timeout=timeout,
-                               extra=extra, env=self.env, ca=self.ca)
+                               extra=extra, env=self.env, netns=netns, ca=self.ca)
         self.chunkservers[i] = cs
         if wait:
             self.wait_until(lambda st: any(s.id == f"cs-{i}" and s.live and s.heartbeat_age_s < 1

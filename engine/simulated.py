@@ -22,6 +22,7 @@ real model unless given one of these.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,18 @@ class SimulatedCompute:
     attention_context: float  # context where a token's attention costs as much as its dense work
     decode_s: float  # per generated token
     source: str  # where the figures come from
+    scale: float = 1.0  # how many times slower than those figures (scaled())
+
+    def scaled(self, factor: float) -> SimulatedCompute:
+        """This accelerator `factor` times slower, prefill and decode alike."""
+        if not factor > 0:
+            raise ValueError(f"a compute scale must be positive, not {factor}")
+        return dataclasses.replace(self, tokens_per_s=self.tokens_per_s / factor, decode_s=self.decode_s * factor,
+                                   scale=self.scale * factor)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.scale == 1 else f"{self.name} {self.scale:g}x slower"
 
     def prefill_seconds(self, start: int, end: int) -> float:
         if end <= start:
@@ -67,9 +80,10 @@ MODELS: dict[str, SimulatedCompute] = {
 }
 
 
-def simulated(name: str) -> SimulatedCompute:
+def simulated(name: str, scale: float = 1.0) -> SimulatedCompute:
+    """The simulated accelerator `name`, `scale` times slower than its published figures."""
     try:
-        return MODELS[name]
+        return MODELS[name].scaled(scale)
     except KeyError:
         raise ValueError(f"unknown simulated compute {name!r}; known: {', '.join(MODELS)}") from None
 

@@ -264,3 +264,16 @@ def test_mixed_bench_times_restores_alone_and_under_write_backs(tmp_path):
         assert abs(r["write_over_raw"] - r["write_disk_gbps"] / r["raw_write_gbps"]) < 1e-9
     assert rows[0]["writes_deferred"] == 0  # writes never wait with write_yield 0
     assert "write-backs failed: 0, 0" in stdout
+
+
+@pytest.mark.root
+def test_restore_bench_over_a_shaped_network_runs_each_server_in_a_namespace(tmp_path):
+    report, stdout = run(["restore", "--compute", "deepseek-v3", "--compute-scale", "4", "--network", "1gbit",
+                          "--prompt-tokens", "200", "--requests", "4", "--concurrency", "2", "--hit-ratio", "0.5",
+                          "--chunkservers", "2", "--policy", "always-restore"], tmp_path)
+    config, (result,) = report["config"], report["results"]
+    assert config["network"] == "1gbit" and config["compute"]["scale"] == 4.0
+    assert result["ttft_hit"]["count"] + result["ttft_miss"]["count"] == 4
+    if config["hits"]:
+        assert result["bytes_restored"] > 0  # read over the namespaces' links
+    assert "SHAPED NETWORK" in stdout and "1 Gbit/s" in stdout and "4x slower" in stdout

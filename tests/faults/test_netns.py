@@ -6,13 +6,13 @@ copies are deleted before it serves again. Needs root (`ip netns`)."""
 
 import asyncio
 import os
-import subprocess
 import time
 
 import pytest
 
 from kvfs.client import ChunkClient, Client
 from kvfs.keys import Namespace
+from kvfs.cli.hosts import Hosts, Link
 from kvfs.cli.launcher import meta_status, start_chunkserver, start_metaserver
 from kvfs.layout import BlockLayout
 
@@ -25,56 +25,10 @@ NS = Namespace("acme", "netns")
 MLA = BlockLayout.mla()
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-class Hosts:
-    """`n` namespaces on a private bridge; host i has address {subnet}.{10 + i}."""
-
-    def __init__(self, n: int):
-        tag = f"{os.getpid() % 100000}"
-        self.bridge = f"kvbr{tag}"
-        self.subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-        self.names = [f"kvfs{tag}h{i}" for i in range(n)]
-        self.veths = [f"kv{tag}v{i}" for i in range(n)]  # the bridge side; interface names <= 15 chars
-
-    def address(self, i: int) -> str:
-        return f"{self.subnet}.{10 + i}"
-
-    def create(self) -> None:
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)  # the test process reaches hosts here
-        ip("link", "set", self.bridge, "up")
-        for i, (name, veth) in enumerate(zip(self.names, self.veths)):
-            ip("netns", "add", name)
-            ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
-            ip("link", "set", f"{veth}p", "netns", name)
-            ip("link", "set", veth, "master", self.bridge, "up")
-            ip("-n", name, "addr", "add", f"{self.address(i)}/24", "dev", f"{veth}p")
-            ip("-n", name, "link", "set", f"{veth}p", "up")
-            ip("-n", name, "link", "set", "lo", "up")
-
-    def cut(self, i: int) -> None:
-        ip("link", "set", self.veths[i], "down")
-
-    def reconnect(self, i: int) -> None:
-        ip("link", "set", self.veths[i], "up")
-
-    def destroy(self) -> None:
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its veth pair along
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-
-
 @pytest.fixture
 def hosts():
-    h = Hosts(4)
-    try:
-        h.create()
+    with Hosts(4) as h:
         yield h
-    finally:
-        h.destroy()
 
 
 def holders(match) -> list[set[str]]:
@@ -145,3 +99,13 @@ async def test_host_cut_off_mid_restore_is_read_around_detected_healed_and_recon
     finally:
         for s in started:
             s.kill()
+
+
+def test_a_shaped_host_link_is_a_token_bucket_both_ways():
+    with Hosts(2) as h:
+        h.shape(1, Link.parse("1500mbit"))
+        sending, receiving = h.qdiscs(1)
+        for side in (sending, receiving):
+            assert "qdisc tbf" in side and "rate 1500Mbit" in side, side
+        assert all("tbf" not in side for side in h.qdiscs(0))  # the other host's link is left as it was
+        assert h.links == [None, Link(1_500_000_000)]

@@ -32,3 +32,15 @@ def test_a_simulated_model_yields_every_layer_and_sleeps_the_modelled_time():
     assert int(steps[-1][1][-1].argmax()) == 0
     assert elapsed >= compute.prefill_seconds(0, 2048)  # sleep never returns early
     assert int(model(torch.zeros(1, dtype=torch.long), None, 2048)[-1].argmax()) == 0
+
+
+def test_a_scaled_accelerator_takes_that_many_times_as_long():
+    v3, slow = simulated("deepseek-v3"), simulated("deepseek-v3", 10)
+    assert slow.prefill_seconds(0, 8192) == pytest.approx(10 * v3.prefill_seconds(0, 8192))
+    assert slow.prefill_seconds(4096, 8192) == pytest.approx(10 * v3.prefill_seconds(4096, 8192))
+    assert slow.decode_s == pytest.approx(10 * v3.decode_s)
+    assert slow.scaled(2).prefill_seconds(0, 100) == pytest.approx(20 * v3.prefill_seconds(0, 100))
+    assert (v3.label, slow.label, slow.shapes) == ("deepseek-v3", "deepseek-v3 10x slower", v3.shapes)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="compute scale must be positive"):
+            simulated("deepseek-v3", bad)
