@@ -107,6 +107,7 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
         totals = {"prompt_tokens": 0, "cached_tokens": 0, "restored": 0, "restore_s": 0.0, "dropped": 0,
                   "hedges": 0, "hedges_won": 0}
         write_backs, running = [], []
+        estimates = collections.defaultdict(list)  # decision kind -> time to first token over the estimate
         t0 = time.perf_counter()
 
         async def serve(tokens, hit, due):
@@ -117,6 +118,8 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
                 slots.release()
             t = result.timings
             ttft["hit" if (t.tokens_cached if hit is None else hit) else "miss"].append(t.ttft + queued)
+            if t.decision is not None and t.decision.est_ttft > 0:
+                estimates[t.decision.kind].append(t.ttft / t.decision.est_ttft)
             totals["prompt_tokens"] += len(tokens)
             totals["cached_tokens"] += t.tokens_cached
             totals["restored"] += t.bytes_restored
@@ -164,6 +167,9 @@ async def _serve(meta: str, cfg: ModelConfig, policy: str, namespace: Namespace,
         "write_backs_dropped": totals["dropped"],
         "write_backs_deferred": engine.writebacks.deferred,
         "decisions": dict(admission.decisions),
+        # how the controller's estimates fared: per kind of decision, the median of time to first
+        # token (from the request's start, as the estimate) over the estimate of the option taken
+        "actual_over_estimate": {k: statistics.median(v) for k, v in estimates.items()},
         "hedges": totals["hedges"],
         "hedges_won": totals["hedges_won"],
         "server_p95_ms": {a: (v["p95_s"] or 0.0) * 1e3 for a, v in client.latency.snapshot().items()},

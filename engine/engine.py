@@ -188,26 +188,28 @@ class Engine:
         whole prompt. Returns the prefill's logits."""
         n, timings = len(req.tokens), req.timings
         restore_bytes = req.restore_blocks * self.layout.payload_bytes
-        restore = None
+        restore = restored = None
         if req.restore_blocks:
             restore = self.client.read(req.match, req.cache.bytes(), blocks=req.restore_blocks,
                                        buffer_tokens=req.max_tokens)
             self.admission.restore_issued(restore_bytes, time.perf_counter())
+            # the controller hears of the restore's end when it ends, not once the prefill beside it
+            # has (a partial restore's compute outlasts it): its queue and bandwidth are the read path's
+            restored = asyncio.ensure_future(restore.wait())
+            restored.add_done_callback(lambda done: self._restore_ended(done, restore_bytes))
         p0 = time.perf_counter()
         predicted = self.prefill_cost.seconds(req.start, n)
         self.admission.compute_started(req, req.arrived + predicted, predicted)
         try:
             logits, computed, waited = await self._prefill(req.tokens, req.cache, req.start, restore, req.arrived)
-            if restore is not None:
-                stats = await restore.wait()
+            if restored is not None:
+                stats = await restored
                 timings.bytes_restored, timings.restore = stats.bytes, stats.seconds
                 timings.hedges, timings.hedges_won = stats.hedges, stats.hedges_won
                 timings.tokens_matched = req.restore_blocks * self.layout.block_tokens
-                self.admission.restore_finished(stats.bytes, stats.seconds, restore_bytes, time.perf_counter())
         except KvfsError as err:
             log.warning("restore of %d blocks failed (%s); recomputing the prompt", req.match.matched, err.message)
             restore.cancel()
-            self.admission.restore_finished(0, 0.0, restore_bytes, time.perf_counter())
             logits, computed, waited = await self._recompute(req)
         finally:
             self.admission.compute_finished(req)
@@ -216,6 +218,13 @@ class Engine:
         timings.compute = computed
         self.prefill_cost.observe(req.start, n, computed)  # the compute alone, not the waits
         return logits
+
+    def _restore_ended(self, done: asyncio.Future, issued: int) -> None:
+        if done.cancelled() or done.exception() is not None:
+            self.admission.restore_finished(0, 0.0, issued, time.perf_counter())
+        else:
+            stats = done.result()
+            self.admission.restore_finished(stats.bytes, stats.seconds, issued, stats.finished_at)
 
     async def _recompute(self, req: Request) -> tuple[torch.Tensor, float, float]:
         req.timings.recomputed_after_failed_restore = True

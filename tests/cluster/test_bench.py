@@ -107,6 +107,8 @@ def test_restore_bench_with_simulated_compute_sweeps_offered_load(tmp_path):
     for r in results:
         assert r["ttft_hit"]["count"] + r["ttft_miss"]["count"] == r["requests"] == 6
         assert sum(r["decisions"].values()) == config["hits"]
+        assert set(r["actual_over_estimate"]) <= set(r["decisions"])
+        assert all(v > 0 for v in r["actual_over_estimate"].values())
         # the simulated model writes back real bytes: 3 full blocks of 61 layers x 64 tokens x 576 x 2 per miss
         assert r["bytes_written"] % (61 * 64 * 576 * 2) == 0
     if config["hits"]:

@@ -2,6 +2,7 @@
 recompute gives."""
 
 import subprocess
+import time
 import sys
 
 import pytest
@@ -299,3 +300,39 @@ async def test_an_engine_with_admission_starts_from_its_model_s_measured_speed(l
         plain = Engine(TINY, client, NS, pool=BufferPool(arena_bytes=0))
         assert len(plain.prefill_cost._obs) == 0  # without admission nothing is timed at start
         plain.close()
+
+
+async def test_the_controller_hears_of_a_restore_when_it_ends_not_when_the_prefill_beside_it_does(local_cluster):
+    """A partial restore's compute outlasts it: its bytes leave the read queue (and its
+    rate is sampled) as the last of them lands, while the prefill still runs."""
+    from kvfs.engine.admission import AdmissionController, Decision
+    from kvfs.engine.simulated import simulated
+
+    sim = simulated("deepseek-v3", 400)  # the 2 blocks and tail recomputed take about a second
+    heard = []
+
+    class RestoreOne(AdmissionController):
+        def decide(self, matched_blocks, prompt_tokens, bytes_per_block, now=None):
+            return Decision("test", "partial", 1, matched_blocks, 0.0, 0.0, 0.0, 1.0, 0)
+
+        def restore_finished(self, nbytes, seconds, issued=None, now=None):
+            super().restore_finished(nbytes, seconds, issued, now)
+            heard.append((time.perf_counter(), nbytes, self.queued_bytes))
+
+    cluster = local_cluster()
+    tokens = tokens_for(3, seed=5, tail=3)
+    async with Client(cluster.meta_address) as client:
+        writer = Engine(sim.shapes, client, Namespace("acme", "sim", "v3"), pool=BufferPool(arena_bytes=0),
+                        simulated=sim.scaled(1 / 400))
+        await (await writer.agenerate(tokens, 1)).write_back
+        writer.close()
+        engine = Engine(sim.shapes, client, Namespace("acme", "sim", "v3"), pool=BufferPool(arena_bytes=0),
+                        admission=RestoreOne(), simulated=sim, write_back=False)
+        heard.clear()  # the start's timing prefills restore nothing
+        result = await engine.agenerate(tokens, 1)
+        done = time.perf_counter()
+        assert result.timings.bytes_restored == sim.shapes.block_layout().payload_bytes
+        (at, nbytes, queued), = heard
+        assert (nbytes, queued) == (sim.shapes.block_layout().payload_bytes, 0)
+        assert done - at > 0.5  # heard while most of the prefill was still to run
+        engine.close()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfs.engine.admission import AdmissionController, Ewma, PrefillModel
+from kvfs.engine.admission import AdmissionController, PrefillModel, Throughput
 
 BLOCK = 64 * 8 * 576 * 2  # bytes of one `bench` block
 
@@ -24,7 +24,7 @@ def test_prefill_model_with_one_observation_is_linear():
 
 
 def controller(policy="adaptive", read_gbps=1.0, queued=0):
-    c = AdmissionController(policy=policy, read_bandwidth=Ewma(initial=read_gbps * 1e9))
+    c = AdmissionController(policy=policy, read_bandwidth=Throughput(initial=read_gbps * 1e9))
     for start, end in [(0, 2048), (0, 8192), (0, 512)]:
         c.prefill_done(start, end, 2e-4 * (end - start) + 3e-9 * (end * end - start * start))
     c.queued_bytes = queued
@@ -66,7 +66,9 @@ def test_queue_and_bandwidth_follow_what_the_engine_reports():
     assert c.queued_bytes == 150 << 20
     c.restore_finished(100 << 20, 0.1)
     assert c.queued_bytes == 50 << 20
-    assert c.read_bandwidth.value == pytest.approx(1e9 + 0.2 * ((100 << 20) / 0.1 - 1e9))
+    # the prior (1 GB/s for 0.1 s), halved after 0.1 s of a 2 s half-life, beside 100 MiB in 0.1 s
+    keep = 0.5 ** (0.1 / 2.0)
+    assert c.read_bandwidth.value == pytest.approx((1e8 * keep + (100 << 20)) / (0.1 * keep + 0.1))
     c.restore_finished(0, 0.0, issued=50 << 20)  # a restore that failed still leaves the queue
     assert c.queued_bytes == 0
 
@@ -121,7 +123,7 @@ def test_compute_queued_ahead_makes_recompute_costlier():
 
 
 def test_read_bandwidth_is_the_paths_throughput_not_one_restores_share():
-    c = AdmissionController(read_bandwidth=Ewma(alpha=1.0, initial=1e9))
+    c = AdmissionController(read_bandwidth=Throughput(initial=1e9, half_life=1e-4))  # the last sample only
     # four restores of 100 MB issued together; the path delivers 1 GB/s, so they end
     # 0.1 s apart, each having taken 0.1-0.4 s (a share of 250-1000 MB/s)
     for _ in range(4):
@@ -134,6 +136,18 @@ def test_read_bandwidth_is_the_paths_throughput_not_one_restores_share():
     c.restore_issued(50_000_000, now=10.0)
     c.restore_finished(50_000_000, 0.1, now=10.1)
     assert c.read_bandwidth.value == pytest.approx(5e8)
+
+
+def test_read_bandwidth_weighs_each_restore_by_the_time_it_covers():
+    # a path that delivers 100 MB in 0.3 s, then three 100 MB restores ending 10 ms apart:
+    # 400 MB in 0.33 s. A mean of the four rates (0.33, 10, 10, 10 GB/s) would read 7.6 GB/s
+    c = AdmissionController(read_bandwidth=Throughput(initial=1e9, half_life=1e6))  # no decay: a plain ratio
+    c.read_bandwidth.bytes = c.read_bandwidth.seconds = 0.0  # no prior
+    for _ in range(4):
+        c.restore_issued(100_000_000, now=0.0)
+    for end in (0.30, 0.31, 0.32, 0.33):
+        c.restore_finished(100_000_000, end, now=end)
+    assert c.read_bandwidth.value == pytest.approx(400_000_000 / 0.33)
 
 
 async def test_without_admission_every_block_is_restored_and_write_backs_start_at_once():
