@@ -328,6 +328,10 @@ class Restore:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def complete(self) -> bool:
+        """Whether every requested layer is in the buffer (a failed restore never is)."""
+        return self._ready_upto == len(self.layers)
+
     def cancel(self) -> None:
         for t in list(self._tasks):
             t.cancel()

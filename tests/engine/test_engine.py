@@ -256,9 +256,8 @@ async def test_client_and_engine_metrics_count_what_the_requests_did(local_clust
 
 
 async def test_layers_that_wait_for_nothing_share_a_compute_job(local_cluster):
-    """A miss's prefill runs its layers back to back in few compute jobs (LAYER_SLICE_S);
-    a hit's first chunk still runs a job a layer, each after its restored part. The
-    simulated DeepSeek-V3 (61 layers, a few ms for 192 tokens) shows both; its cache
+    """A miss's prefill runs its layers back to back in few compute jobs (LAYER_SLICE_S).
+    The simulated DeepSeek-V3 (61 layers, a few ms for 192 tokens) shows it; its cache
     bytes really move."""
     from kvfs.engine.simulated import simulated
 
@@ -275,10 +274,41 @@ async def test_layers_that_wait_for_nothing_share_a_compute_job(local_cluster):
         await miss.write_back
         assert miss.timings.bytes_written == 3 * sim.shapes.block_layout().payload_bytes
         assert len(jobs) < 10  # not 62: 61 layers and the logits
-        jobs.clear()
         hit = await engine.agenerate(tokens, 1)
         assert hit.timings.bytes_restored == 3 * sim.shapes.block_layout().payload_bytes
-        assert len(jobs) >= 61  # the last token's prefill, a layer at a time behind the restore
+        engine.close()
+
+
+async def test_a_hit_computes_a_layer_a_job_until_its_restore_is_complete_then_in_slices(local_cluster):
+    """The restore here has layers 0-9 in at once and the rest once layer 10 is asked
+    for: the last token's prefill runs a job for each of layers 0-10, then one for the
+    other 50 and the logits (a job a layer would make 62)."""
+    from kvfs.engine.simulated import simulated
+
+    class Restore:
+        ready = 10
+
+        async def layer_ready(self, layer):
+            if layer >= self.ready:
+                self.ready = 61
+
+        def complete(self):
+            return self.ready == 61
+
+    sim = simulated("deepseek-v3")
+    cluster = local_cluster()
+    async with Client(cluster.meta_address) as client:
+        engine = Engine(sim.shapes, client, Namespace("acme", "sim", "v3"), pool=BufferPool(arena_bytes=0),
+                        simulated=sim)
+        jobs = []
+        run = engine.compute.run
+        engine.compute.run = lambda deadline, fn: jobs.append(fn) or run(deadline, fn)
+        tokens = tokens_for(3, seed=4)
+        cache = KVCache(sim.shapes, len(tokens))
+        logits, _, _ = await engine._prefill(tokens, cache, len(tokens) - 1, Restore(), time.perf_counter())
+        assert logits is not None
+        assert [getattr(j, "func", None) for j in jobs[:11]] == [next] * 11
+        assert len(jobs) == 12
         engine.close()
 
 
