@@ -218,6 +218,7 @@ class _Handler(socketserver.BaseRequestHandler):
         self.sock: socket.socket = self.request
         self.local = self.sock.family == socket.AF_UNIX
         self.fds: list[int] = []  # descriptors received with the request being read (local socket only)
+        self.ahead = 0  # the read backlog the request being served found (told in its reply)
         self.reads = self.server.reads["local" if self.local else "tcp"]
         self.shm_reads = self.server.reads["shm"]
         self.tls = not self.local and self.server.tls is not None
@@ -436,6 +437,7 @@ class _Handler(socketserver.BaseRequestHandler):
             self.sock.sendall(wire.encode_status(header.request_id, err.code.value[0], err.message))
             reads.served(0, time.perf_counter() - arrived)
             return
+        taken = 0
         try:
             replies = [wire.RangeResult(r.code.value[0], r.message) for r in results]
             served: list[tuple[PlannedRead, int, int]] = []
@@ -443,12 +445,14 @@ class _Handler(socketserver.BaseRequestHandler):
                 start, length = wire.widen(p.offset, p.length, p.rec.length)
                 replies[p.index] = wire.RangeResult(0, "", start, length, p.rec.length, tuple(p.rec.blocks))
                 served.append((p, start, length))
+            taken = sum(length for _, _, length in served)
+            self.ahead = self.server.take_read(taken)  # told in the reply's header
             if granted is not None:  # its tenant's pace: only this connection waits
                 time.sleep(self.store.pacer.delay(granted.tenant, sum(length for _, _, length in served)))
             if shm:
                 nbytes = self._read_into_shm(header, ranges, replies, served)
             elif self.store.io_mode == "buffered":
-                self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+                self.sock.sendall(wire.encode_read_reply(header.request_id, replies, self.ahead))
                 nbytes = 0
                 for p, start, length in served:
                     self._sendfile(self.store.slots.fds(p.rec.slot).fd_io, p.rec.slot.offset + start, length)
@@ -457,6 +461,7 @@ class _Handler(socketserver.BaseRequestHandler):
             else:
                 nbytes = self._send_direct(header, replies, served)
         finally:
+            self.server.read_sent(taken)
             self.store.release(plan)
         reads.served(nbytes, time.perf_counter() - arrived)
 
@@ -510,7 +515,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 if got < length:
                     _fail_range(replies[p.index], 13, f"chunk {short_id(p.chunk_id)}: disk read failed ({got})")
                     log.error("data port: %s", replies[p.index].message)
-            self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+            self.sock.sendall(wire.encode_read_reply(header.request_id, replies, self.ahead))
             for (p, _, length), (_, _, buf) in zip(served, ops):
                 if replies[p.index].code == 0:
                     self.sock.sendall(memoryview(buf)[:length])
@@ -534,7 +539,7 @@ class _Handler(socketserver.BaseRequestHandler):
         finally:
             for v in views.values():
                 v.release()
-        self.sock.sendall(wire.encode_read_reply(header.request_id, replies))
+        self.sock.sendall(wire.encode_read_reply(header.request_id, replies, self.ahead))
         return nbytes
 
     def _one_into_shm(self, view: memoryview, pieces, p: PlannedRead, start: int, length: int,
@@ -616,12 +621,24 @@ class DataServer(socketserver.ThreadingTCPServer):
         self._open: dict[socket.socket, str] = {}  # connection -> its peer's host
         self._per_peer: dict[str, int] = {}
         self.refused = 0  # connections turned away by the limits
+        self.read_backlog = 0  # bytes of reads taken and not yet sent, from every connection
         self._lock = threading.Lock()
         self.local: LocalDataServer | None = None
         super().__init__(address, _Handler)
 
     def verify_request(self, request, client_address) -> bool:
         return self.admit(request, client_address[0])
+
+    def take_read(self, nbytes: int) -> int:
+        """A read of `nbytes` is being served: the backlog it found ahead of it."""
+        with self._lock:
+            ahead = self.read_backlog
+            self.read_backlog += nbytes
+        return ahead
+
+    def read_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.read_backlog -= nbytes
 
     def admit(self, request, peer: str) -> bool:
         """Counts a new connection against MAX_CONNECTIONS and its peer's share
@@ -709,6 +726,7 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         self.tls = None  # the kernel vouches for a local peer; nothing on the local socket leaves the host
         self.read_buffers, self.write_buffers = port.read_buffers, port.write_buffers
         self.request_timeout = port.request_timeout
+        self.take_read, self.read_sent = port.take_read, port.read_sent  # one backlog for both sockets
         super().__init__(name, _Handler)
 
     def verify_request(self, request, client_address) -> bool:

@@ -131,6 +131,9 @@ class StoreCollector(Collector):
             yield open_
             yield CounterMetricFamily("kvfs_chunk_data_connections_refused", "data-port connections refused (the "
                                       "server's or a peer's connection limit)", value=self.data.refused)
+            yield GaugeMetricFamily("kvfs_chunk_read_backlog_bytes", "bytes of data-port reads taken and not yet "
+                                    "sent, from every client (each read's reply tells the backlog it found)",
+                                    value=self.data.read_backlog)
         if isinstance(store.reader, UringReader):
             inflight, waiting = store.reader.queue_depth()
             yield GaugeMetricFamily("kvfs_chunk_uring_inflight_reads", "reads submitted to the io_uring ring and "

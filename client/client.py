@@ -25,7 +25,7 @@ from kvfs.rpc import CHANNEL_OPTIONS
 from .chunks import ChunkClient, chunk_checksum
 from .config import resolve_credentials
 from .metrics import ClientMetrics
-from .hedge import HedgeBudget, ServerLatency
+from .hedge import HedgeBudget, ServerBacklog, ServerLatency
 from .restore import Restore, RestoreStats
 from .transport import DataWriter, GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
 
@@ -112,7 +112,8 @@ class Client:
     `hedge` (default on): a batch of chunk reads still out after its server's
     measured p95 is also requested from another replica, the first good answer
     is used (at most `hedge_budget` of batches are hedged). `latency` holds the
-    per-server measurements, `hedges` the counts.
+    per-server measurements, `hedges` the counts, `backlog` what the servers
+    last said of the reads they had queued from every client.
 
     `credentials` (kvfs.tls.Credentials: a worker certificate naming the tenants
     this process may act for, its key and the cluster CA) authenticate every gRPC
@@ -137,10 +138,11 @@ class Client:
         self.transport = transport
         self.metrics = metrics
         data_tls = self.credentials.ssl_context(server=False) if self.credentials is not None else None
+        self.backlog = ServerBacklog()
         self._transports: dict[str, Transport] = {
             "grpc": GrpcTransport(self.chunkserver),
-            "tcp": TcpTransport(data_connections, data_tls),
-            "shm": ShmTransport(data_connections, data_tls),
+            "tcp": TcpTransport(data_connections, data_tls, self.backlog),
+            "shm": ShmTransport(data_connections, data_tls, self.backlog),
         }
         self._writer = DataWriter(write_connections, data_tls, local=transport != "tcp")
         self._chunk_buffers = AlignedBuffers(write_concurrency * 4 * MiB)  # chunks being written

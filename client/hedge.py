@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 _CLAIMS = threading.Lock()  # claims come from the transports' receive threads
 
@@ -72,6 +73,26 @@ class ServerLatency:
 
     def snapshot(self) -> dict[str, dict]:
         return {a: {"p95_s": self._p95.get(a), "samples": len(s)} for a, s in self._samples.items()}
+
+
+class ServerBacklog:
+    """What each chunkserver's data port last said of its read backlog (READ_REPLY's
+    header, kvfs/wire.py: bytes of reads from every client it had taken ahead of
+    ours), and when. Reported from the transports' receive threads."""
+
+    FRESH = 1.0  # seconds a report stands for: a server not read from since may have drained
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._last: dict[str, tuple[int, float]] = {}  # data address -> (bytes, when)
+
+    def report(self, address: str, nbytes: int) -> None:
+        self._last[address] = (nbytes, self.clock())
+
+    def total(self) -> int:
+        """Bytes ahead at every server heard from within FRESH seconds."""
+        now = self.clock()
+        return sum(n for n, at in list(self._last.values()) if now - at <= self.FRESH)
 
 
 class HedgeBudget:

@@ -49,7 +49,7 @@ from kvfs.checksum import blocks_covering, checksum_of_blocks
 from kvfs.errors import Aborted, DataLoss, DeadlineExceeded, KvfsError, Unavailable, from_code
 
 from .chunks import ChunkClient
-from .hedge import Fence
+from .hedge import Fence, ServerBacklog
 from .pool import SharedArena, arena_of, current_arena
 
 log = logging.getLogger(__name__)
@@ -330,8 +330,9 @@ class _Connection:
     drained by a thread that places the bytes and then completes futures."""
 
     def __init__(self, address: str, shm_regions: int = 0, arena=None, tls: ssl.SSLContext | None = None,
-                 local: bool = False, write_arena=None):
+                 local: bool = False, write_arena=None, backlog: ServerBacklog | None = None):
         self.address = address
+        self.backlog = backlog  # hears each READ_REPLY's backlog
         self.sock = _connect(address, local or bool(shm_regions), tls)
         self.write_mapping: int | None = None  # where the server maps `write_arena` (WRITE_SHM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -531,6 +532,8 @@ class _Connection:
                     self._complete(p, from_code(code, f"{message} (from {self.address})") if code
                                    else (created, receipt))
                     continue
+                if self.backlog is not None:
+                    self.backlog.report(self.address, h.flags << 20)
                 try:
                     results = wire.parse_read_reply(h, body)
                     if len(results) != len(p.specs):
@@ -612,9 +615,11 @@ class TcpTransport:
     name = "tcp"
     shm_regions = 0
 
-    def __init__(self, connections: int = 2, tls: ssl.SSLContext | None = None):
+    def __init__(self, connections: int = 2, tls: ssl.SSLContext | None = None,
+                 backlog: ServerBacklog | None = None):
         self.connections = connections
         self.tls = tls  # mutual TLS over TCP (the local socket needs none); None: plaintext, --insecure
+        self.backlog = backlog  # what the servers say of their read backlogs
         self._conns: dict[str, list[_Connection]] = {}
         self._regions: dict[int, asyncio.Queue] = {}
         self._opening: dict[str, asyncio.Lock] = {}
@@ -644,7 +649,8 @@ class TcpTransport:
 
     def _open(self, address: str, arena) -> _Connection:
         """A new connection to the data port at `address` (in a thread: it connects)."""
-        return _Connection(address, self.shm_regions, arena if self.shm_regions else None, self.tls)
+        return _Connection(address, self.shm_regions, arena if self.shm_regions else None, self.tls,
+                           backlog=self.backlog)
 
     async def read(self, server, specs, out):
         try:

@@ -8,10 +8,14 @@ through it offline). The engine tells the controller what it observes:
   - restore bytes issued and completed               -> bytes queued ahead
   - every prefill (context before, tokens, seconds)  -> prefill cost model
   - per-chunkserver read latency (the SDK's ServerLatency, which hedged reads use)
+  - per-chunkserver read backlog, from every client (the SDK's ServerBacklog: each
+    data-port reply says what the server had queued ahead of it)
   - prefills admitted and not yet finished          -> compute queued ahead
 
 and asks `decide()` for each request with a cached prefix. Restoring k blocks
-costs (bytes queued ahead + k blocks) / read bandwidth, and overlaps the
+costs (bytes queued ahead + k blocks) / read bandwidth, where the bytes ahead are
+this engine's restores in flight or, when more, the servers' backlogs (other
+workers' reads are in those), and overlaps the
 prefill of the rest (layer by layer), so the expected time to first token of
 restoring k blocks is about max(restore(k), prefill(k..n)) and of recomputing
 all of it prefill(0..n). The controller picks the k with the smallest estimate
@@ -131,6 +135,7 @@ class AdmissionController:
     decisions: collections.Counter = field(default_factory=collections.Counter)
     on_idle: object = None  # called when the read queue empties (write-backs wait for that)
     server_latency: object = None  # per-chunkserver read latency (kvfs.client.hedge.ServerLatency)
+    server_backlog: object = None  # per-chunkserver read backlog (kvfs.client.hedge.ServerBacklog)
     # prefills admitted and not finished: request -> (its compute queue deadline, predicted seconds)
     compute_ahead: dict = field(default_factory=dict)
     _busy_since: float | None = None  # when the read queue last went from empty to busy
@@ -183,8 +188,14 @@ class AdmissionController:
 
     # ---- the decision -----------------------------------------------------------
 
+    def bytes_ahead(self) -> int:
+        """Restore bytes ahead of a new one: this engine's in flight, or the servers' backlogs
+        if they say more (they count every worker's reads, ours among them)."""
+        backlog = self.server_backlog.total() if self.server_backlog is not None else 0
+        return max(self.queued_bytes, backlog)
+
     def restore_seconds(self, nbytes: int) -> float:
-        return (self.queued_bytes + nbytes) / self.read_bandwidth.value
+        return (self.bytes_ahead() + nbytes) / self.read_bandwidth.value
 
     def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int,
                now: float | None = None) -> Decision:
@@ -222,7 +233,7 @@ class AdmissionController:
         kind = "recompute" if k == 0 else "restore" if k == matched_blocks else "partial"
         self.decisions[kind] += 1
         return Decision(self.policy, kind, k, matched_blocks, ttft(k), restore_all, recompute_all,
-                        self.read_bandwidth.value / 1e9, self.queued_bytes, self.slowest_p95())
+                        self.read_bandwidth.value / 1e9, self.bytes_ahead(), self.slowest_p95())
 
     def slowest_p95(self) -> float:
         if self.server_latency is None:

@@ -121,6 +121,8 @@ class Engine:
         else:
             if admission.server_latency is None:
                 admission.server_latency = self.client.latency
+            if admission.server_backlog is None:
+                admission.server_backlog = self.client.backlog
             idle = asyncio.Event()
             admission.on_idle = idle.set
             self.admission = admission

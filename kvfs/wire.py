@@ -32,7 +32,11 @@ Requests (client -> server):
                 memfd sealed against shrinking, so it cannot be truncated under the
                 server, and one the client itself could open (never a name)
 Replies (server -> client), same request id:
-  READ_REPLY    count range results: code u16, msg_len u16, message, data start u64,
+  READ_REPLY    flags: the server's read backlog as it took the request, in MiB (at most
+                65535): bytes of reads it had accepted before this one and not yet
+                sent, from every client (what a worker's admission controller cannot
+                see from its own side). Then count range results: code u16, msg_len
+                u16, message, data start u64,
                 data length u64, chunk length u64, n u32, n x xxh3-64 of every 64 KiB
                 block of the chunk (they hash to its committed checksum,
                 kvfs/checksum.py); for READ, the data of every OK range follows the
@@ -323,7 +327,15 @@ def parse_status(header: Header, body: bytes | memoryview) -> tuple[int, str]:
     return code, bytes(body[4 : 4 + n]).decode(errors="replace")
 
 
-def encode_read_reply(request_id: int, results: list[RangeResult]) -> bytes:
+MAX_BACKLOG_MIB = 0xFFFF
+
+
+def backlog_flags(nbytes: int) -> int:
+    """READ_REPLY's flags for a backlog of `nbytes`: whole MiB, at most MAX_BACKLOG_MIB."""
+    return min(MAX_BACKLOG_MIB, max(0, nbytes) >> 20)
+
+
+def encode_read_reply(request_id: int, results: list[RangeResult], backlog: int = 0) -> bytes:
     parts = []
     for r in results:
         msg = r.message.encode()[:MAX_MESSAGE]
@@ -331,7 +343,7 @@ def encode_read_reply(request_id: int, results: list[RangeResult]) -> bytes:
                   _DATA.pack(r.data_start, r.data_len, r.chunk_len, len(r.checksums)),
                   struct.pack(f"<{len(r.checksums)}Q", *r.checksums)]
     body = b"".join(parts)
-    return encode_header(READ_REPLY, request_id, len(results), len(body)) + body
+    return encode_header(READ_REPLY, request_id, len(results), len(body), backlog_flags(backlog)) + body
 
 
 def parse_read_reply(header: Header, body: bytes | memoryview) -> list[RangeResult]:

@@ -276,3 +276,32 @@ async def test_writes_fall_back_to_grpc_when_a_data_port_turns_them_away(local_c
     for transport, count in (("grpc", 2 * 4 * 2), ("local", 0), ("tcp", 0)):  # replicas x blocks x chunks
         assert sum(w[("kvfs_chunk_write_seconds_count", (("transport", transport),))] for w in written) == count
     assert "go over gRPC for 30 s: its data port failed a write" in caplog.text
+
+
+async def test_a_read_reply_tells_the_backlog_other_clients_left_at_the_server(chunkservers):
+    """READ_REPLY's flags: MiB of reads the server had taken ahead of this one and not
+    yet sent, from any client. A client that asks for 24 MiB and reads none of it holds
+    them there; another client's read is told so, and nothing once that one is gone."""
+    server = chunkservers()
+    grant = local_read_grant(RAW_NS)
+    async with ChunkClient(server.address) as c:
+        for i in range(24):
+            await c.write(b"big%d" % i, os.urandom(MiB), owner=RAW_OWNER)
+        await c.write(b"small", os.urandom(64 << 10), owner=RAW_OWNER)
+        data_address = (await c.stat()).data_address
+
+    def small_read() -> int:
+        header, body, sock = raw_request(data_address, wire.encode_read(2, [wire.Range(b"small", 0, 0)], grant=grant))
+        assert header.kind == wire.READ_REPLY
+        recv_exactly(sock, wire.parse_read_reply(header, body)[0].data_len)
+        sock.close()
+        return header.flags
+
+    assert small_read() == 0
+    stalled = data_connection(data_address)
+    stalled.sendall(wire.encode_read(1, [wire.Range(b"big%d" % i, 0, 0) for i in range(24)], grant=grant))
+    header = wire.parse_header(recv_exactly(stalled, wire.HEADER.size), requests=False)
+    assert (header.kind, header.flags) == (wire.READ_REPLY, 0)  # nothing was ahead of it
+    assert small_read() == 24
+    stalled.close()
+    wait_until(lambda: small_read() == 0, 10, "the stalled client's backlog gone with it")

@@ -165,3 +165,20 @@ async def test_without_admission_every_block_is_restored_and_write_backs_start_a
 
     task = ImmediateWriteBacks().submit("acme", 1 << 40, job)  # no bound: never dropped
     assert await task == "written" and ran == [1]
+
+
+def test_servers_backlogs_count_as_restore_bytes_ahead_when_they_say_more():
+    from kvfs.client.hedge import ServerBacklog
+
+    c = controller(read_gbps=1.0)
+    c.server_backlog = backlog = ServerBacklog()
+    idle = c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK)
+    assert idle.kind == "restore" and idle.queued_bytes == 0
+    c.restore_issued(1 << 20)
+    backlog.report("cs-0:1", 512 << 20)  # other workers' reads queued there: half a second at 1 GB/s
+    busy = c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK)
+    assert busy.queued_bytes == 512 << 20
+    assert busy.est_restore_all == pytest.approx(((512 << 20) + 8 * BLOCK) / c.read_bandwidth.value)
+    assert busy.kind == "recompute"
+    backlog.report("cs-0:1", 0)  # drained: our own restore in flight is what is ahead
+    assert c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK).queued_bytes == 1 << 20

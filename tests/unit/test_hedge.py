@@ -53,3 +53,19 @@ def test_budget_allows_a_burst_then_a_share_of_batches():
         budget.issued()
     assert budget.take() and budget.take() and not budget.take()  # 10% of 20, plus the burst
     assert budget.hedges == 4
+
+
+def test_server_backlog_sums_the_fresh_reports_of_each_server():
+    from kvfs.client.hedge import ServerBacklog
+
+    now = [100.0]
+    b = ServerBacklog(clock=lambda: now[0])
+    assert b.total() == 0
+    b.report("cs-1:9", 10 << 20)
+    b.report("cs-2:9", 4 << 20)
+    b.report("cs-1:9", 6 << 20)  # the latest report of a server stands
+    assert b.total() == 10 << 20
+    now[0] += 0.5
+    b.report("cs-3:9", 1 << 20)
+    now[0] += ServerBacklog.FRESH - 0.25  # cs-1 and cs-2 last spoke too long ago
+    assert b.total() == 1 << 20

@@ -175,3 +175,13 @@ def test_verifier_rejects_a_flipped_byte_and_missing_bytes():
     bad = wire.BlockVerifier(sums)
     bad.feed(memoryview(data))
     assert not bad.finish()
+
+
+@pytest.mark.parametrize("backlog, flags", [(0, 0), ((1 << 20) - 1, 0), (5 << 20, 5), ((5 << 20) + 7, 5),
+                                            (1 << 40, wire.MAX_BACKLOG_MIB), (-3, 0)])
+def test_a_read_reply_carries_the_server_backlog_in_whole_mib(backlog, flags):
+    frame = wire.encode_read_reply(4, [wire.RangeResult(5, "gone")], backlog)
+    header = wire.parse_header(frame[: wire.HEADER.size], requests=False)
+    assert header.flags == flags
+    assert wire.parse_read_reply(header, frame[wire.HEADER.size :])[0].code == 5
+    assert wire.parse_header(wire.encode_read_reply(4, [])[: wire.HEADER.size], requests=False).flags == 0
