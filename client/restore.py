@@ -328,9 +328,11 @@ class Restore:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def complete(self) -> bool:
-        """Whether every requested layer is in the buffer (a failed restore never is)."""
-        return self._ready_upto == len(self.layers)
+    def ready(self, layer: int) -> bool:
+        """Whether layers 0..layer (of those requested) are in the buffer; never, past a
+        failure. Safe from any thread: the engine's compute thread asks it between layers."""
+        upto = self._ready_upto
+        return upto > 0 and self.layers[upto - 1] >= layer
 
     def cancel(self) -> None:
         for t in list(self._tasks):

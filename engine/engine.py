@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -248,7 +248,8 @@ class Engine:
         """Writes the prompt's full blocks that kvfs lacks, in the background; the cache's
         buffer goes back to the pool when that is done (at once if nothing is written)."""
         full_blocks = len(req.tokens) // self.layout.block_tokens
-        first_new = 0 if req.timings.recomputed_after_failed_restore else req.restore_blocks
+        # kvfs holds every matched block, restored or not (a partial restore recomputes some it has)
+        first_new = 0 if req.timings.recomputed_after_failed_restore else req.match.matched
         task = None
         if self.write_back and full_blocks > first_new:
             job = functools.partial(self._write_back, req, first_new, full_blocks)
@@ -272,11 +273,11 @@ class Engine:
             self.pool.put(req.buf)
 
     async def _prefill(self, tokens: list[int], cache: KVCache, begin: int, restore, arrived: float):
-        """Computes tokens[begin:] in jobs on the compute queue: one a layer while the
-        restore delivers them (waiting between jobs, on the event loop, for the next
-        layer), else layers for up to LAYER_SLICE_S a job: also the layers left once
-        the restore has delivered every layer. A job a layer waits for the job running
-        when it is queued; a hit's 61 of them behind other requests' 20 ms slices took
+        """Computes tokens[begin:] in jobs on the compute queue, each running layers for
+        up to LAYER_SLICE_S: while a restore delivers the first chunk's layers, only as
+        far as they are in (the job stops before a layer not yet restored, and the next
+        waits, on the event loop, until it is). A job a layer would wait for the job
+        running when it is queued: a hit's 61 behind other requests' 20 ms slices took
         up to a second more than its restore.
         Returns (logits, seconds of compute, seconds waited for restored layers)."""
         n, computed, waited, logits = len(tokens), 0.0, 0.0, None
@@ -285,30 +286,30 @@ class Engine:
         for s in range(begin, n, PREFILL_CHUNK):
             steps = self.model.steps(torch.tensor(tokens[s : s + PREFILL_CHUNK]), cache, s)
             deadline = arrived + self.prefill_cost.seconds(s, n)
-            waits = restore is not None and s == begin  # then each layer waits for its restored part
+            ready = restore.ready if restore is not None and s == begin else None
+            job = functools.partial(_layers_for, steps, LAYER_SLICE_S, ready)
             while True:
-                job = functools.partial(next, steps) if waits else functools.partial(_layers_for, steps, LAYER_SLICE_S)
                 (kind, value), seconds = await self.compute.run(deadline, job)
                 computed += seconds
                 if kind == "logits":
                     logits = value
                     break
-                if waits:
+                if ready is not None and not ready(value):
                     w0 = time.perf_counter()
                     await restore.layer_ready(value)
                     waited += time.perf_counter() - w0
-                    waits = not restore.complete()
         return logits, computed, waited
 
     def close(self) -> None:
         self.compute.close()
 
 
-def _layers_for(steps, seconds: float) -> tuple:
-    """Runs a model's steps (MLAModel.steps) until the logits or for `seconds`, on the
-    compute thread; the last step taken."""
+def _layers_for(steps, seconds: float, ready: Callable[[int], bool] | None = None) -> tuple:
+    """Runs a model's steps (MLAModel.steps) until the logits, for `seconds`, or (with
+    `ready`) up to a layer whose restored part is not in yet, on the compute thread; the
+    last step taken (the layer to compute next, or the logits)."""
     t0 = time.perf_counter()
     while True:
         step = next(steps)
-        if step[0] == "logits" or time.perf_counter() - t0 >= seconds:
+        if step[0] == "logits" or time.perf_counter() - t0 >= seconds or (ready is not None and not ready(step[1])):
             return step

@@ -205,11 +205,13 @@ async def test_a_partial_restore_computes_the_rest_exactly(local_cluster, pool):
     tokens = [t % 256 for t in tokens_for(5, seed=41, tail=3)]
     async with Client(cluster.meta_address) as client:
         await (await Engine(TINY, client, NS, pool=pool).agenerate(tokens, 2)).write_back
-        engine = Engine(TINY, client, NS, pool=pool, admission=RestoreTwo(), write_back=False)
+        engine = Engine(TINY, client, NS, pool=pool, admission=RestoreTwo())
         result = await engine.agenerate(tokens, 2)
         assert result.timings.tokens_matched == 128
         assert result.timings.bytes_restored == 2 * TINY.block_layout().payload_bytes
         assert torch.equal(result.first_logits, two_phase_reference(engine.model, tokens, 128))
+        # the 3 blocks it recomputed were cached all along: nothing to write back
+        assert result.write_back is None and engine.writebacks.queued_bytes == 0
         engine.close()
 
 
@@ -279,21 +281,21 @@ async def test_layers_that_wait_for_nothing_share_a_compute_job(local_cluster):
         engine.close()
 
 
-async def test_a_hit_computes_a_layer_a_job_until_its_restore_is_complete_then_in_slices(local_cluster):
-    """The restore here has layers 0-9 in at once and the rest once layer 10 is asked
-    for: the last token's prefill runs a job for each of layers 0-10, then one for the
-    other 50 and the logits (a job a layer would make 62)."""
+async def test_a_hit_computes_the_layers_restored_so_far_in_one_job(local_cluster):
+    """The restore here has layers 0-9 in at once and the rest once layer 10 is waited
+    for: the last token's prefill runs layers 0-9 in one compute job, then the other 51
+    and the logits in a second (a job a layer, it was 62)."""
     from kvfs.engine.simulated import simulated
 
     class Restore:
-        ready = 10
+        upto = 9
 
         async def layer_ready(self, layer):
-            if layer >= self.ready:
-                self.ready = 61
+            assert not self.ready(layer)  # waited for only when not in yet
+            self.upto = 60
 
-        def complete(self):
-            return self.ready == 61
+        def ready(self, layer):
+            return layer <= self.upto
 
     sim = simulated("deepseek-v3")
     cluster = local_cluster()
@@ -302,13 +304,19 @@ async def test_a_hit_computes_a_layer_a_job_until_its_restore_is_complete_then_i
                         simulated=sim)
         jobs = []
         run = engine.compute.run
-        engine.compute.run = lambda deadline, fn: jobs.append(fn) or run(deadline, fn)
+
+        async def counted(deadline, fn):
+            step = await run(deadline, fn)
+            jobs.append(step[0])
+            return step
+
+        engine.compute.run = counted
         tokens = tokens_for(3, seed=4)
-        cache = KVCache(sim.shapes, len(tokens))
-        logits, _, _ = await engine._prefill(tokens, cache, len(tokens) - 1, Restore(), time.perf_counter())
-        assert logits is not None
-        assert [getattr(j, "func", None) for j in jobs[:11]] == [next] * 11
-        assert len(jobs) == 12
+        restore = Restore()
+        logits, _, _ = await engine._prefill(tokens, KVCache(sim.shapes, len(tokens)), len(tokens) - 1, restore,
+                                             time.perf_counter())
+        assert logits is not None and restore.upto == 60
+        assert jobs == [("layer", 10), ("logits", logits)]
         engine.close()
 
 
