@@ -59,6 +59,7 @@ class RestoreStats:
     hedges_won: int = 0  # of those, chunks the hedge delivered first
     seconds: float = 0.0
     finished_at: float = 0.0  # time.perf_counter() when the last byte was in
+    first_layer: float = 0.0  # seconds from the start until the first layer was whole in the buffer
     per_server: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
 
     @property
@@ -280,9 +281,12 @@ class Restore:
             self._spawn(self._read_batch(other, items, hedge=True))
 
     def _advance(self) -> None:
+        was = self._ready_upto
         while self._ready_upto < len(self.layers) and self._remaining[self.layers[self._ready_upto]] <= 0:
             self._events[self.layers[self._ready_upto]].set()
             self._ready_upto += 1
+        if not was and self._ready_upto:
+            self.stats.first_layer = time.perf_counter() - self._started
 
     def _finish(self) -> None:
         if self._done.is_set():  # e.g. the late loser of a hedge

@@ -15,12 +15,14 @@ through it offline). The engine tells the controller what it observes:
 and asks `decide()` for each request with a cached prefix. Restoring k blocks
 costs (bytes queued ahead + k blocks) / read bandwidth, where the bytes ahead are
 this engine's restores in flight or, when more, the servers' backlogs (other
-workers' reads are in those), and overlaps the
-prefill of the rest (layer by layer), so the expected time to first token of
-restoring k blocks is about max(restore(k), prefill(k..n)) and of recomputing
-all of it prefill(0..n). The controller picks the k with the smallest estimate
-(policy `adaptive`), or always k = all (`always-restore`) or k = 0
-(`always-recompute`), and returns the estimates behind the choice.
+workers' reads are in those), and overlaps the prefill of the rest layer by
+layer, from the moment the first layer is whole: the expected time to first
+token of restoring k blocks is about max(restore(k), lag x restore(k) +
+prefill(k..n)), lag the measured share of a restore's time before its first
+layer is whole, and of recomputing all of it prefill(0..n). The controller picks
+the k with the smallest estimate (policy `adaptive`), or always k = all
+(`always-restore`) or k = 0 (`always-recompute`), and returns the estimates
+behind the choice.
 
 An engine without admission control gets `NoAdmission` and `ImmediateWriteBacks`
 instead: the same calls, restoring every matched block and starting every
@@ -140,6 +142,10 @@ class AdmissionController:
     # prefills admitted and not finished: request -> (its compute queue deadline, predicted seconds)
     compute_ahead: dict = field(default_factory=dict)
     bias: dict = field(default_factory=dict)  # kind of decision -> Ewma of time to first token over estimate
+    # the share of a restore's time before its first layer is whole: the prefill of the rest
+    # (which needs each layer restored before it computes it) starts no earlier. Near 0 when
+    # layers arrive in order; near 1 when concurrent reads share a slow link and all end together
+    layer_lag: Ewma = field(default_factory=lambda: Ewma(initial=0.0))
     _busy_since: float | None = None  # when the read queue last went from empty to busy
     _last_done: float | None = None  # when the last restore finished
 
@@ -155,14 +161,17 @@ class AdmissionController:
         self.queued_bytes += nbytes
 
     def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None,
-                         now: float | None = None) -> None:
-        """A restore ended: `nbytes` moved in `seconds`; `issued` is what it had queued.
+                         now: float | None = None, first_layer: float | None = None) -> None:
+        """A restore ended: `nbytes` moved in `seconds`; `issued` is what it had queued;
+        its first layer was whole after `first_layer` seconds (layer_lag).
 
         With `now`, the sample is the read path's throughput: these bytes over the
         time since the previous restore finished (or the path became busy). Under
         concurrency a single restore's own rate is its share, not what the path
         delivers, and would make the queue look slower to drain than it is."""
         self.queued_bytes = max(0, self.queued_bytes - (nbytes if issued is None else issued))
+        if first_layer is not None and seconds > 0:
+            self.layer_lag.add(min(1.0, first_layer / seconds))
         if nbytes and seconds > 0:
             since = None if now is None else max(self._last_done or now - seconds, self._busy_since or now - seconds)
             self.read_bandwidth.add(nbytes, now - since if since is not None and now > since else seconds)
@@ -234,7 +243,8 @@ class AdmissionController:
                 compute += self.compute_wait(now + compute)
             if not k:
                 return compute * scale["recompute"]
-            return max(self.restore_seconds(k * bytes_per_block), compute) * \
+            restore = self.restore_seconds(k * bytes_per_block)
+            return max(restore, self.layer_lag.value * restore + compute) * \
                 scale["restore" if k == matched_blocks else "partial"]
 
         restore_all, recompute_all = ttft(matched_blocks), ttft(0)
@@ -283,7 +293,7 @@ class NoAdmission:
         pass
 
     def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None,
-                         now: float | None = None) -> None:
+                         now: float | None = None, first_layer: float | None = None) -> None:
         pass
 
     def write_finished(self, nbytes: int, seconds: float) -> None:

@@ -228,7 +228,8 @@ class Engine:
             self.admission.restore_finished(0, 0.0, issued, time.perf_counter())
         else:
             stats = done.result()
-            self.admission.restore_finished(stats.bytes, stats.seconds, issued, stats.finished_at)
+            self.admission.restore_finished(stats.bytes, stats.seconds, issued, stats.finished_at,
+                                            stats.first_layer)
 
     async def _recompute(self, req: Request) -> tuple[torch.Tensor, float, float]:
         req.timings.recomputed_after_failed_restore = True

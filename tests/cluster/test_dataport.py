@@ -44,6 +44,7 @@ async def test_every_transport_restores_byte_exact(local_cluster, mode):
             assert bytes(out) == payload, transport
             assert order == list(range(MLA.layers))
             assert stats.retries == 0 and len(stats.per_server) == 3
+            assert 0 < stats.first_layer <= stats.seconds  # layer 0 whole before (or as) the last is
             # a layer subset reads sub-ranges that do not start on a checksum block
             sub = bytearray(MLA.buffer_bytes(match.tokens))
             await client.read(match, sub, layers=[3, 20]).wait()

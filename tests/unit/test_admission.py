@@ -198,3 +198,19 @@ def test_an_option_whose_estimates_ran_short_is_taken_only_for_a_gain_that_survi
     # what a restore then came to teaches the restore estimates only, within bounds
     c.observed(d, 100 * d.est_ttft)
     assert c.bias["restore"].value == pytest.approx(1.0 + 0.1 * (4.0 - 1.0))
+
+
+def test_a_partial_restore_overlaps_its_compute_only_from_the_first_whole_layer():
+    c = controller(read_gbps=0.2, queued=200 << 20)
+    overlapped = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
+    assert overlapped.kind == "partial"
+    # restores whose first layer is whole only at their end: reading and computing add up
+    for _ in range(40):
+        c.restore_finished(0, 1.0, issued=0, first_layer=1.0)
+    assert c.layer_lag.value == pytest.approx(1.0, abs=0.01)
+    serial = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
+    restore = c.restore_seconds(serial.restore_blocks * BLOCK)
+    compute = c.prefill.seconds(min(serial.restore_blocks * 64, 512 * 64 - 1), 512 * 64)
+    assert serial.est_ttft == pytest.approx(max(restore, c.layer_lag.value * restore + compute))
+    assert serial.est_ttft > overlapped.est_ttft
+    assert serial.restore_blocks == 512 or serial.restore_blocks != overlapped.restore_blocks
