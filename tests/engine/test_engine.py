@@ -353,8 +353,8 @@ async def test_the_controller_hears_of_a_restore_when_it_ends_not_when_the_prefi
         def decide(self, matched_blocks, prompt_tokens, bytes_per_block, now=None):
             return Decision("test", "partial", 1, matched_blocks, 0.0, 0.0, 0.0, 1.0, 0)
 
-        def restore_finished(self, nbytes, seconds, issued=None, now=None):
-            super().restore_finished(nbytes, seconds, issued, now)
+        def restore_finished(self, nbytes, seconds, issued=None, now=None, first_layer=None):
+            super().restore_finished(nbytes, seconds, issued, now, first_layer)
             heard.append((time.perf_counter(), nbytes, self.queued_bytes))
 
     cluster = local_cluster()
