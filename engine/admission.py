@@ -123,7 +123,6 @@ class Decision:
     read_gbps: float
     queued_bytes: int
     slowest_p95_s: float = 0.0  # the slowest chunkserver's measured batch-read p95 (what hedges wait for)
-    bias: float = 1.0  # what est_ttft is the model's estimate times (AdmissionController.observed)
 
 
 @dataclass
@@ -141,7 +140,6 @@ class AdmissionController:
     server_backlog: object = None  # per-chunkserver read backlog (kvfs.client.hedge.ServerBacklog)
     # prefills admitted and not finished: request -> (its compute queue deadline, predicted seconds)
     compute_ahead: dict = field(default_factory=dict)
-    bias: dict = field(default_factory=dict)  # kind of decision -> Ewma of time to first token over estimate
     # the share of a restore's time before its first layer is whole: the prefill of the rest
     # (which needs each layer restored before it computes it) starts no earlier. Near 0 when
     # layers arrive in order; near 1 when concurrent reads share a slow link and all end together
@@ -208,32 +206,14 @@ class AdmissionController:
     def restore_seconds(self, nbytes: int) -> float:
         return (self.bytes_ahead() + nbytes) / self.read_bandwidth.value
 
-    def observed(self, decision: Decision, ttft: float) -> None:
-        """A decided request's time to first token: how far off its option's estimate
-        was. Each kind of option (restore, partial, recompute) keeps the recent ratio
-        of what came to what was expected, and scales its estimates by it: the model
-        leaves out what it cannot see (a partial restore's compute overlaps its reads
-        only as far as the chunkservers deliver layers in order, which concurrent
-        reads over a slow link do not: measured 1.5-2x its estimate), and an option
-        whose estimates ran short is then taken only for a gain that survives that."""
-        if decision.est_ttft > 0 and ttft > 0:
-            bias = self.bias.setdefault(decision.kind, Ewma(alpha=0.1, initial=1.0))
-            bias.add(min(4.0, max(0.25, ttft / decision.est_ttft * decision.bias)))
-
-    def _bias_of(self, kind: str) -> float:
-        bias = self.bias.get(kind)
-        return bias.value if bias is not None else 1.0
-
     def decide(self, matched_blocks: int, prompt_tokens: int, bytes_per_block: int,
                now: float | None = None) -> Decision:
         """Restore how many of the `matched_blocks` leading blocks of a prompt?
 
         With `now` (the request's arrival on the compute queue's clock), the compute
         already queued ahead of each option counts too: recomputing more means a
-        later deadline, so more of the queue runs first. Each option's estimate is
-        scaled by how its kind's estimates fared lately (observed())."""
+        later deadline, so more of the queue runs first."""
         bt = self.block_tokens
-        scale = {kind: self._bias_of(kind) for kind in ("restore", "partial", "recompute")}
 
         def ttft(k: int) -> float:
             # a request still computes its last token: a full hit prefills from n - 1
@@ -242,10 +222,9 @@ class AdmissionController:
             if now is not None:
                 compute += self.compute_wait(now + compute)
             if not k:
-                return compute * scale["recompute"]
+                return compute
             restore = self.restore_seconds(k * bytes_per_block)
-            return max(restore, self.layer_lag.value * restore + compute) * \
-                scale["restore" if k == matched_blocks else "partial"]
+            return max(restore, self.layer_lag.value * restore + compute)
 
         restore_all, recompute_all = ttft(matched_blocks), ttft(0)
         if self.policy == "always-restore":
@@ -266,7 +245,7 @@ class AdmissionController:
         kind = "recompute" if k == 0 else "restore" if k == matched_blocks else "partial"
         self.decisions[kind] += 1
         return Decision(self.policy, kind, k, matched_blocks, ttft(k), restore_all, recompute_all,
-                        self.read_bandwidth.value / 1e9, self.bytes_ahead(), self.slowest_p95(), scale[kind])
+                        self.read_bandwidth.value / 1e9, self.bytes_ahead(), self.slowest_p95())
 
     def slowest_p95(self) -> float:
         if self.server_latency is None:
@@ -287,9 +266,6 @@ class NoAdmission:
         return None  # no decision: the engine restores all `matched_blocks`
 
     def restore_issued(self, nbytes: int, now: float | None = None) -> None:
-        pass
-
-    def observed(self, decision: Decision, ttft: float) -> None:
         pass
 
     def restore_finished(self, nbytes: int, seconds: float, issued: int | None = None,

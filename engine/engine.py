@@ -161,8 +161,6 @@ class Engine:
         first_logits = (await self._prefill_with_restore(req))[-1].clone()
         out = [int(first_logits.argmax())]
         req.timings.ttft = time.perf_counter() - req.arrived
-        if req.timings.decision is not None:
-            self.admission.observed(req.timings.decision, req.timings.ttft)
         await self._decode(req, out, max_new_tokens - 1)
         return GenerateResult(out, req.timings, first_logits, self._schedule_write_back(req))
 

@@ -184,22 +184,6 @@ def test_servers_backlogs_count_as_restore_bytes_ahead_when_they_say_more():
     assert c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK).queued_bytes == 1 << 20
 
 
-def test_an_option_whose_estimates_ran_short_is_taken_only_for_a_gain_that_survives_them():
-    c = controller(read_gbps=0.2, queued=200 << 20)  # as in the busy-path test: a partial restore wins
-    first = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
-    assert first.kind == "partial" and first.bias == 1.0
-    for _ in range(40):  # partial restores keep taking twice what was expected
-        d = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
-        if d.kind != "partial":
-            break
-        c.observed(d, 2 * d.est_ttft / d.bias)
-    assert d.kind == "restore"
-    assert c.bias["partial"].value > 1.0 and "restore" not in c.bias
-    # what a restore then came to teaches the restore estimates only, within bounds
-    c.observed(d, 100 * d.est_ttft)
-    assert c.bias["restore"].value == pytest.approx(1.0 + 0.1 * (4.0 - 1.0))
-
-
 def test_a_partial_restore_overlaps_its_compute_only_from_the_first_whole_layer():
     c = controller(read_gbps=0.2, queued=200 << 20)
     overlapped = c.decide(matched_blocks=512, prompt_tokens=512 * 64, bytes_per_block=BLOCK)
