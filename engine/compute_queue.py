@@ -1,11 +1,11 @@
-"""The compute queue: one thread runs every request's model work, a layer at a time,
+"""The compute queue: one thread runs every request's model work, a slice at a time,
 most urgent first.
 
-A request's prefill is cut into jobs of one layer (of one prefill chunk) where a
-layer waits for a restore, else of layers for up to 20 ms (engine.LAYER_SLICE_S),
-so a long prefill never holds the compute thread for seconds while others wait,
-and a request whose restore has not yet delivered layer l waits for it on the
-event loop, not on the compute thread. Jobs run in order of `deadline`: the request's
+A request's prefill is cut into jobs of layers for up to 20 ms (engine.LAYER_SLICE_S),
+each stopping before a layer whose restored part is not in yet, so a long prefill
+never holds the compute thread for seconds while others wait, and a request whose
+restore has not yet delivered layer l waits for it on the event loop, not on the
+compute thread. Jobs run in order of `deadline`: the request's
 arrival plus the compute it still needs. Short jobs (a cache hit's last token, a
 decode step) go ahead of long prefills that arrived about as early, while a long
 prefill still runs before anything that arrives after its expected finish, so
