@@ -198,3 +198,20 @@ def test_a_partial_restore_overlaps_its_compute_only_from_the_first_whole_layer(
     assert serial.est_ttft == pytest.approx(max(restore, c.layer_lag.value * restore + compute))
     assert serial.est_ttft > overlapped.est_ttft
     assert serial.restore_blocks == 512 or serial.restore_blocks != overlapped.restore_blocks
+
+
+def test_a_recompute_is_charged_the_wait_it_adds_to_prefills_queued_behind_it():
+    import math
+
+    c = controller(queued=2 << 30)  # a read queue deep enough that recompute wins on an idle engine
+    args = dict(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK, now=100.0)
+    alone = c.decide(**args)
+    assert alone.kind == "recompute"
+    own = c.prefill.seconds(0, 8 * 64 + 10)
+    # misses admitted before it and due after it: each would wait `own` longer
+    for i in range(math.ceil(alone.est_restore_all / own) + 1):
+        c.compute_started(f"miss-{i}", 1e6, 5.0)
+    assert c.compute_behind(100.0 + own) > alone.est_restore_all / own and c.compute_wait(100.0 + own) == 0
+    crowded = c.decide(**args)
+    assert crowded.kind == "restore"
+    assert crowded.est_recompute_all == pytest.approx(alone.est_recompute_all)  # its own estimate is unchanged
