@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 
 def _pyplot():
     import matplotlib
@@ -14,7 +16,8 @@ def _pyplot():
 
 
 def _save(plt, fig, path: str, title: str) -> None:
-    fig.suptitle(title)
+    # a bench's title names its model, network and load: wrapped to the figure's width
+    fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 12)), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

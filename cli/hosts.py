@@ -40,7 +40,7 @@ class Link:
         unit = next((u for u in units if spec.lower().endswith(u)), None)
         try:
             rate = int(float(spec[: -len(unit)]) * units[unit]) if unit else 0
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or inf
             rate = 0
         if rate <= 0:
             raise ValueError(f"link rate {spec!r}: a positive number with a unit (gbit, mbit, kbit)")

@@ -11,7 +11,7 @@ def test_a_link_rate_reads_in_tc_units(spec, rate):
     assert Link.parse(spec).rate == rate
 
 
-@pytest.mark.parametrize("spec", ["10", "fast", "gbit", "-1gbit", "0mbit", "2gbit:1ms", "1gb"])
+@pytest.mark.parametrize("spec", ["10", "fast", "gbit", "-1gbit", "0mbit", "2gbit:1ms", "1gb", "infgbit", "nanmbit"])
 def test_a_link_without_a_positive_rate_and_unit_is_refused(spec):
     with pytest.raises(ValueError, match="link rate"):
         Link.parse(spec)
