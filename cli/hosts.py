@@ -10,9 +10,12 @@ Nothing listens outside the namespaces and the bridge this makes.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 from dataclasses import dataclass
+
+_made = itertools.count()  # Hosts made by this process
 
 
 def run(*cmd: str) -> None:
@@ -60,10 +63,13 @@ class Hosts:
     """`n` namespaces on a private bridge; host i has address {subnet}.{10 + i}."""
 
     def __init__(self, n: int):
-        pid = os.getpid()
-        tag = f"{pid % 100000}"
+        # unique per instance, not per process: a namespace's veth pair goes some time after
+        # `ip netns del` returns (the kernel cleans up in the background), so names reused at
+        # once can still be taken
+        unique = os.getpid() * 10 + next(_made) % 10
+        tag = f"{unique % 1000000:06d}"
         self.bridge = f"kvbr{tag}"
-        self.subnet = f"10.{200 + pid % 50}.{pid % 250}"
+        self.subnet = f"10.{200 + unique % 50}.{unique // 50 % 250}"
         self.names = [f"kvfs{tag}h{i}" for i in range(n)]
         self.veths = [f"kv{tag}v{i}" for i in range(n)]  # the bridge side; interface names <= 15 chars
         self.links: list[Link | None] = [None] * n
