@@ -143,7 +143,10 @@ class AdmissionController:
     # the share of a restore's time before its first layer is whole: the prefill of the rest
     # (which needs each layer restored before it computes it) starts no earlier. Near 0 when
     # layers arrive in order; near 1 when concurrent reads share a slow link and all end together
-    layer_lag: Ewma = field(default_factory=lambda: Ewma(initial=0.0))
+    layer_lag: Ewma = field(default_factory=lambda: Ewma(initial=0.5))
+    # prefills admitted a second (every request computes, a hit at least its last token)
+    prefill_rate: Throughput = field(default_factory=lambda: Throughput(initial=0.0))
+    _last_prefill: float | None = None  # when the last one was admitted
     _busy_since: float | None = None  # when the read queue last went from empty to busy
     _last_done: float | None = None  # when the last restore finished
 
@@ -187,6 +190,10 @@ class AdmissionController:
 
     def compute_started(self, request: object, deadline: float, seconds: float) -> None:
         self.compute_ahead[request] = (deadline, seconds)
+        arrived = deadline - seconds
+        if self._last_prefill is not None and arrived > self._last_prefill:
+            self.prefill_rate.add(1, arrived - self._last_prefill)
+        self._last_prefill = arrived if self._last_prefill is None else max(self._last_prefill, arrived)
 
     def compute_finished(self, request: object) -> None:
         self.compute_ahead.pop(request, None)
@@ -217,10 +224,12 @@ class AdmissionController:
         With `now` (the request's arrival on the compute queue's clock), the compute
         already queued ahead of each option counts too: recomputing more means a
         later deadline, so more of the queue runs first. And an option is charged the
-        wait its compute adds to the prefills queued behind it (those due later): a
-        recompute takes the one accelerator every miss needs, and at 5 requests/s
-        over 1 Gbit/s links the hits adaptive recomputed or partly restored for a
-        small gain of their own put misses' p99 from 1.7 to 2.3 s."""
+        wait its compute adds to other prefills: its own compute for each queued
+        behind it (due later), and for those expected to arrive while it runs (the
+        admission rate times its compute), half of it on average. A recompute takes
+        the one accelerator every miss needs: at 5 requests/s over 1 Gbit/s links the
+        hits adaptive recomputed or partly restored for a small gain of their own put
+        misses' p99 from 1.7 to 2.3 s."""
         bt = self.block_tokens
 
         def compute_of(k: int) -> tuple[float, float]:
@@ -236,10 +245,12 @@ class AdmissionController:
             restore = self.restore_seconds(k * bytes_per_block)
             return max(restore, self.layer_lag.value * restore + own + ahead)
 
+        arriving = self.prefill_rate.value
+
         def cost(k: int) -> tuple[float, int]:
             own, _ = compute_of(k)
             behind = self.compute_behind(now + own) if now is not None else 0
-            return ttft(k) + own * behind, -k
+            return ttft(k) + own * (behind + arriving * own / 2), -k
 
         restore_all, recompute_all = ttft(matched_blocks), ttft(0)
         if self.policy == "always-restore":

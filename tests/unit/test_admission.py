@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvfs.engine.admission import AdmissionController, PrefillModel, Throughput
+from kvfs.engine.admission import AdmissionController, Ewma, PrefillModel, Throughput
 
 BLOCK = 64 * 8 * 576 * 2  # bytes of one `bench` block
 
@@ -23,8 +23,10 @@ def test_prefill_model_with_one_observation_is_linear():
     assert (m.a, m.b) == (pytest.approx(5e-4), 0.0)
 
 
-def controller(policy="adaptive", read_gbps=1.0, queued=0):
-    c = AdmissionController(policy=policy, read_bandwidth=Throughput(initial=read_gbps * 1e9))
+def controller(policy="adaptive", read_gbps=1.0, queued=0, layer_lag=0.0):
+    """A controller that has seen prefills, and restores whose layers came in order (lag 0)."""
+    c = AdmissionController(policy=policy, read_bandwidth=Throughput(initial=read_gbps * 1e9),
+                            layer_lag=Ewma(initial=layer_lag))
     for start, end in [(0, 2048), (0, 8192), (0, 512)]:
         c.prefill_done(start, end, 2e-4 * (end - start) + 3e-9 * (end * end - start * start))
     c.queued_bytes = queued
@@ -215,3 +217,22 @@ def test_a_recompute_is_charged_the_wait_it_adds_to_prefills_queued_behind_it():
     crowded = c.decide(**args)
     assert crowded.kind == "restore"
     assert crowded.est_recompute_all == pytest.approx(alone.est_recompute_all)  # its own estimate is unchanged
+
+
+def test_prefills_expected_to_arrive_during_a_recompute_are_charged_half_of_it_each():
+    import math
+
+    c = controller(queued=2 << 30)
+    args = dict(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK, now=100.0)
+    alone = c.decide(**args)
+    assert alone.kind == "recompute"
+    own = c.prefill.seconds(0, 8 * 64 + 10)
+    # prefills admitted steadily, at a rate where those arriving during the recompute would
+    # wait longer in all than the restore takes; each done before the decision
+    rate = 4 * alone.est_restore_all / own**2
+    for i in range(int(10 * rate)):  # ten seconds of them: the rate's prior (0.1 s of none) is forgotten
+        c.compute_started(i, 80.0 + i / rate + 1e-3, 1e-3)
+        c.compute_finished(i)
+    assert c.prefill_rate.value == pytest.approx(rate, rel=0.05) and not c.compute_ahead
+    assert c.decide(**args).kind == "restore"
+    assert math.isclose(AdmissionController().layer_lag.value, 0.5)  # a fresh one: neither in order nor not
