@@ -448,7 +448,7 @@ class _Handler(socketserver.BaseRequestHandler):
             taken = sum(length for _, _, length in served)
             self.ahead = self.server.take_read(taken)  # told in the reply's header
             if granted is not None:  # its tenant's pace: only this connection waits
-                time.sleep(self.store.pacer.delay(granted.tenant, sum(length for _, _, length in served)))
+                time.sleep(self.store.pacer.delay(granted.tenant, taken))
             if shm:
                 nbytes = self._read_into_shm(header, ranges, replies, served)
             elif self.store.io_mode == "buffered":

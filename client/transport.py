@@ -533,7 +533,7 @@ class _Connection:
                                    else (created, receipt))
                     continue
                 if self.backlog is not None:
-                    self.backlog.report(self.address, h.flags << 20)
+                    self.backlog.report(self.address, wire.backlog_of(h))
                 try:
                     results = wire.parse_read_reply(h, body)
                     if len(results) != len(p.specs):

@@ -335,6 +335,11 @@ def backlog_flags(nbytes: int) -> int:
     return min(MAX_BACKLOG_MIB, max(0, nbytes) >> 20)
 
 
+def backlog_of(header: Header) -> int:
+    """The read backlog a READ_REPLY's server told, in bytes (whole MiB)."""
+    return header.flags << 20
+
+
 def encode_read_reply(request_id: int, results: list[RangeResult], backlog: int = 0) -> bytes:
     parts = []
     for r in results:
