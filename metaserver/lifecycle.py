@@ -67,14 +67,21 @@ class Lifecycle:
         lookups or writes come in, all background passes together take at most half of
         the event loop's time, so a slow disk slows them, never lookups or heartbeats.
         While none came since the last slice, the pause is a quarter of that: the passes
-        get most of an idle loop (an eviction after a burst of writes settles sooner)."""
+        get most of an idle loop (an eviction after a burst of writes settles sooner).
+
+        A slice also takes the writers' step slot (MetaState.step_slot): a turn of the
+        loop runs one step, a write's or a pass's, never both, and while lookups keep
+        coming the turns after it are theirs. A lookup's first turns on the loop, before
+        any code of ours sees it, waited behind a writer's step and a slice in the same
+        turns: `kvfs-bench meta --blocks 1M` measured 1.4 ms (p50) and 5.7 ms (p99) from
+        a lookup's send to its handler during the eviction phase, nearly all of it steps."""
         async with self._gate:
-            await self.state.reads.before_step()
-            t0 = time.perf_counter()
-            yield
-            if SLICE_STALL:
-                time.sleep(SLICE_STALL)
-            took = time.perf_counter() - t0
+            async with self.state.step_slot():
+                t0 = time.perf_counter()
+                yield
+                if SLICE_STALL:
+                    time.sleep(SLICE_STALL)
+                took = time.perf_counter() - t0
             idle = self.state.client_calls == self._calls_seen
             await asyncio.sleep(took * IDLE_PAUSE if idle else took)
             self._calls_seen = self.state.client_calls

@@ -21,7 +21,19 @@ Measured on a bare grpc.aio server with 1.5 ms steps ready every turn and a call
 four turns between steps, 3.1/7.8 ms; the steps got 73% of the loop instead of 86%.
 With eight writers through state.run_steps_async: 6.7-7.2/10.9-14.2 ms when only each
 writer's own steps were spaced, 3.8-4.4/7.4-9.3 ms with the gate held. Without lookups
-nothing changes: no wait and one turn between steps."""
+nothing changes: no wait and one turn between steps.
+
+Turns were not enough either. `kvfs-bench meta --blocks 1M`, with each lookup's send
+time (from the bench) and arrival (in CountsLookups) and every step logged, found a
+lookup 2-4 steps (p50 2, p99 4) between its send and its handler during the eviction
+phase, 1.4/5.1 ms (p50/p99), and its handler-to-end only 0.6/1.8 ms: a step was
+followed by four quick turns, another step, and so on, and the call was handed to the
+loop only across several of them. Two changes made it at most one step: writers' steps
+and background passes' slices share one step slot (state.step_slot), and while
+lookups keep coming, the turns after a step end with GAP spent in the loop's poll
+(where gRPC's poller thread, which needs the GIL, hands over the calls it has). In the
+same bench the eviction phase's 2,000-block hit went from p50/p99 2.3-2.9/6.4-8.6 ms
+to 1.9/4.5 ms, with writes about a fifth slower while lookups kept coming."""
 
 from __future__ import annotations
 
@@ -34,6 +46,9 @@ import grpc
 
 MAX_WAIT = 0.005  # seconds a step waits for lookups under way, at most: writes are slowed, never stopped
 TURNS = 4  # turns of the loop between two steps while lookups keep coming
+# seconds the loop waits in its poll after a step while lookups keep coming: turns alone,
+# however many, left a lookup 2-4 steps (p50 2, p99 4) between its send and its handler
+GAP = 0.0003
 RECENT = 0.05  # seconds: a lookup begun this recently means more are coming
 # A call is counted in as it arrives, before its body is read; it counts as under way only
 # until ARRIVING_STALE unless it reaches its handler (with its caller's access checked and
@@ -111,9 +126,14 @@ class ReadsFirst:
         return self.clock() - self.last_began < RECENT
 
     async def after_step(self) -> None:
-        """Leaves the loop to calls for one turn, or TURNS while lookups keep coming."""
-        for _ in range(TURNS if self.coming() else 1):
+        """Leaves the loop to calls for one turn, or, while lookups keep coming, TURNS
+        turns and then GAP in the loop's poll."""
+        if not self.coming():
             await asyncio.sleep(0)
+            return
+        for _ in range(TURNS):
+            await asyncio.sleep(0)
+        await asyncio.sleep(GAP)
 
 
 class CountsLookups(grpc.aio.ServerInterceptor):

@@ -15,6 +15,7 @@ injectable clock so expiry is testable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -61,32 +62,42 @@ def _answer(fn, args) -> tuple:
         return None, err
 
 
+@contextlib.asynccontextmanager
+async def step_slot(gate: asyncio.Lock, reads: ReadsFirst):
+    """Holds `gate`, the event loop's one step slot, for a step of synchronous work
+    (the body: it must not await). Steps of all the callers sharing the gate take
+    turns, at most one per turn of the loop: eight writers each with a step ready
+    would otherwise run eight steps between two polls of the sockets, and keep every
+    lookup and heartbeat waiting that long. (Releasing the gate at the end of a step
+    is not enough for that: a caller that finds it free and nobody waiting takes it in
+    the same turn. So it is released in the next turn, before which every other
+    caller that came for it queues behind.) The step makes way for lookups first
+    (readsfirst.py), and while they keep coming the gate is held through the turns
+    after it: spaced steps of one caller would leave those turns to the next one's."""
+    loop = asyncio.get_running_loop()
+    await gate.acquire()
+    try:
+        await reads.before_step()
+        yield
+        if reads.coming():  # the turns after a step are the lookups', not another step's
+            await reads.after_step()
+    finally:
+        loop.call_soon(gate.release)
+
+
 async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: Executor | None = None):
-    """run_steps(), serving the event loop between steps. Steps of all the calls
-    sharing `gate` take turns, at most one per turn of the loop: eight writers each
-    with a step ready would otherwise run eight steps between two polls of the
-    sockets, and keep every lookup and heartbeat waiting that long. (Releasing the
-    gate at the end of a step is not enough for that: a writer that finds it free
-    and nobody waiting takes it in the same turn. So it is released in the next
-    turn, before which every other writer that came for it queues behind.) Each
-    step makes way for lookups first (readsfirst.py), and while they keep coming the
-    gate is held through the turns after it: spaced steps of one writer would leave
-    those turns to the next writer's. A read a step asks for (db.OffLoop) is made on
-    `reader` (None: the loop's default executor) without the gate: other writers'
-    steps go on meanwhile."""
+    """run_steps(), serving the event loop between steps, each in the step slot
+    `gate` (step_slot). A read a step asks for (db.OffLoop) is made on `reader`
+    (None: the loop's default executor) without the gate: other writers' steps go on
+    meanwhile."""
     loop = asyncio.get_running_loop()
     answer, error = None, None
     while True:
-        await gate.acquire()
-        try:
-            await reads.before_step()
-            asked = steps.throw(error) if error is not None else steps.send(answer)
-            if reads.coming():  # the turns after a step are the lookups', not another writer's
-                await reads.after_step()
-        except StopIteration as done:
-            return done.value
-        finally:
-            loop.call_soon(gate.release)
+        async with step_slot(gate, reads):
+            try:
+                asked = steps.throw(error) if error is not None else steps.send(answer)
+            except StopIteration as done:
+                return done.value
         if isinstance(asked, OffLoop):
             answer, error = await loop.run_in_executor(reader, _answer, asked.fn, asked.args)
         else:
@@ -117,7 +128,7 @@ class MetaState:
         self.evicting = False  # between passing the high watermark and reaching the low one
         self.client_calls = 0  # lookups and writes begun (metrics.timed): background passes yield to them
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
-        self._write_turns = asyncio.Lock()  # allocations' and commits' steps, one at a time
+        self._step_gate = asyncio.Lock()  # the loop's step slot: allocations', commits' and background passes' steps, one at a time
         self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
         self.allocations.piece_blocks = lambda: COMMIT_PIECE_BESIDE_LOOKUPS if self.reads.coming() else COMMIT_PIECE
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
@@ -176,11 +187,15 @@ class MetaState:
         return run_steps(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
                                                          self.make_room_steps))
 
+    def step_slot(self):
+        """The loop's step slot (step_slot()), for a slice of synchronous work."""
+        return step_slot(self._step_gate, self.reads)
+
     async def allocate_async(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
                              parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
         steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps)
-        return await run_steps_async(steps, self._write_turns, self.reads, self.db.reader)
+        return await run_steps_async(steps, self._step_gate, self.reads, self.db.reader)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """Commits blocks (Allocations.commit_steps); the chunks that became garbage
@@ -190,7 +205,7 @@ class MetaState:
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
-                                     self._write_turns, self.reads, self.db.reader)
+                                     self._step_gate, self.reads, self.db.reader)
 
     def match_bytes(self, namespace_digest: bytes, keys, tenant: str = "", joined: bytes = b"") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is

@@ -706,3 +706,47 @@ def test_a_slot_read_before_its_block_left_it_is_no_row_of_another_block(make_st
     state.blocks.db.db.put(BLOCK + NS.digest + stray, u64(slot))
     found, missing = state.blocks.rows([NS.digest + keys[0], NS.digest + stray])
     assert found is not None and found[:16] == keys[0] and missing is None
+
+
+@pytest.mark.asyncio
+async def test_a_background_slice_and_a_writers_step_never_share_a_turn_of_the_event_loop(make_state):
+    """Writers' steps and background passes' slices take one step slot: a lookup's
+    first turns on the loop, before its handler counts it in, wait behind one step,
+    not behind a write's step and a pass's slice in the same turn."""
+    import asyncio
+
+    from kvfs.metaserver.lifecycle import Lifecycle
+    from kvfs.metaserver.state import run_steps_async
+
+    state = make_state()
+    lifecycle = Lifecycle(state)
+    loop = asyncio.get_running_loop()
+    turn, running = [0], [True]
+
+    def tick():  # counts the loop's turns: a callback that runs once in each
+        turn[0] += 1
+        if running[0]:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    seen: list[tuple[str, int]] = []
+
+    def steps(name):
+        for _ in range(6):
+            seen.append((name, turn[0]))
+            yield
+        return name
+
+    async def background():
+        for _ in range(6):
+            async with lifecycle.turn():
+                seen.append(("pass", turn[0]))
+
+    try:
+        await asyncio.gather(background(), *(run_steps_async(steps(n), state._step_gate, state.reads) for n in "ab"))
+    finally:
+        running[0] = False
+    assert len(seen) == 18 and {name for name, _ in seen} == {"pass", "a", "b"}
+    turns = [t for _, t in seen]
+    assert len(set(turns)) == len(turns)  # no two steps, of either kind, in one turn
+    assert not state._step_gate.locked()

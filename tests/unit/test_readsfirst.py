@@ -45,6 +45,21 @@ async def test_without_lookups_a_step_neither_waits_nor_leaves_more_than_one_tur
     assert reads.waits == 0
 
 
+async def test_while_lookups_keep_coming_a_step_leaves_turns_then_a_wait_in_the_loops_poll():
+    """Turns alone, however many, left a lookup behind 2-4 steps between its send and
+    its handler: the loop must also wait in its poll, where gRPC's poller hands it calls."""
+    reads, turns = ReadsFirst(), Turns()
+    reads.ended(reads.began())  # a lookup just ended: more are coming
+    assert reads.coming()
+    try:
+        at, t0 = turns.n, time.perf_counter()
+        await reads.after_step()
+        assert turns.n - at >= readsfirst.TURNS
+        assert time.perf_counter() - t0 >= readsfirst.GAP
+    finally:
+        turns.stop()
+
+
 async def test_a_step_waits_until_the_lookup_under_way_ends():
     reads = ReadsFirst()
     token = reads.began()
