@@ -340,3 +340,23 @@ def settled(pid: int, before: Footprint, spare: int = 2, threads: int | None = N
         return wait_until(back, timeout, "threads and descriptors back to what they were")
     except AssertionError as err:
         raise AssertionError(f"{err}: before {before}, now {Footprint.of(pid)}") from None
+
+
+class Turns:
+    """Counts the running event loop's turns: a callback that runs once in each
+    (`n`), until stop()."""
+
+    def __init__(self):
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self.n, self.running = 0, True
+        self.loop.call_soon(self._tick)
+
+    def _tick(self):
+        self.n += 1
+        if self.running:
+            self.loop.call_soon(self._tick)
+
+    def stop(self):
+        self.running = False

@@ -12,7 +12,7 @@ from kvfs.metaserver.state import MetaState
 from kvfs.proto import meta_pb2
 from kvfs.serving import LoopStats
 
-from helpers import Clock, assert_metadata_consistent
+from helpers import Clock, Turns, assert_metadata_consistent
 
 NS = Namespace("t", "m")
 LAYOUT = BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
@@ -563,20 +563,12 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
     from kvfs.metaserver.readsfirst import ReadsFirst
     from kvfs.metaserver.state import run_steps_async
 
-    loop = asyncio.get_running_loop()
-    turn, running = [0], [True]
-
-    def tick():  # counts the loop's turns: a callback that runs once in each
-        turn[0] += 1
-        if running[0]:
-            loop.call_soon(tick)
-
-    loop.call_soon(tick)
+    turns = Turns()
     seen = []
 
     def steps(name):
         for _ in range(5):
-            seen.append(turn[0])
+            seen.append(turns.n)
             yield
         return name
 
@@ -584,7 +576,7 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
     try:
         results = await asyncio.gather(*(run_steps_async(steps(n), gate, ReadsFirst()) for n in "abcdefgh"))
     finally:
-        running[0] = False
+        turns.stop()
     assert results == list("abcdefgh") and len(seen) == 40
     assert len(set(seen)) == len(seen)  # no two steps in one turn
     assert not gate.locked()
@@ -720,32 +712,24 @@ async def test_a_background_slice_and_a_writers_step_never_share_a_turn_of_the_e
 
     state = make_state()
     lifecycle = Lifecycle(state)
-    loop = asyncio.get_running_loop()
-    turn, running = [0], [True]
-
-    def tick():  # counts the loop's turns: a callback that runs once in each
-        turn[0] += 1
-        if running[0]:
-            loop.call_soon(tick)
-
-    loop.call_soon(tick)
+    turns = Turns()
     seen: list[tuple[str, int]] = []
 
     def steps(name):
         for _ in range(6):
-            seen.append((name, turn[0]))
+            seen.append((name, turns.n))
             yield
         return name
 
     async def background():
         for _ in range(6):
             async with lifecycle.turn():
-                seen.append(("pass", turn[0]))
+                seen.append(("pass", turns.n))
 
     try:
         await asyncio.gather(background(), *(run_steps_async(steps(n), state._step_gate, state.reads) for n in "ab"))
     finally:
-        running[0] = False
+        turns.stop()
     assert len(seen) == 18 and {name for name, _ in seen} == {"pass", "a", "b"}
     turns = [t for _, t in seen]
     assert len(set(turns)) == len(turns)  # no two steps, of either kind, in one turn

@@ -11,26 +11,9 @@ import pytest
 from kvfs.metaserver import readsfirst
 from kvfs.metaserver.readsfirst import CountsLookups, ReadsFirst
 
-from helpers import Clock
+from helpers import Clock, Turns
 
 pytestmark = pytest.mark.asyncio
-
-
-class Turns:
-    """Counts the event loop's turns: a callback that runs once in each."""
-
-    def __init__(self):
-        self.loop = asyncio.get_running_loop()
-        self.n, self.running = 0, True
-        self.loop.call_soon(self._tick)
-
-    def _tick(self):
-        self.n += 1
-        if self.running:
-            self.loop.call_soon(self._tick)
-
-    def stop(self):
-        self.running = False
 
 
 async def test_without_lookups_a_step_neither_waits_nor_leaves_more_than_one_turn():
