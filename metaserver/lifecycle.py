@@ -73,7 +73,7 @@ class Lifecycle:
         loop runs one step, a write's or a pass's, never both, and while lookups keep
         coming the turns after it are theirs. A lookup's first turns on the loop, before
         any code of ours sees it, waited behind a writer's step and a slice in the same
-        turns: `kvfs-bench meta --blocks 1M` measured 1.4 ms (p50) and 5.7 ms (p99) from
+        turns: `kvfs-bench meta --blocks 1M` measured 1.4 ms (p50) and 5.1-5.7 ms (p99) from
         a lookup's send to its handler during the eviction phase, nearly all of it steps."""
         async with self._gate:
             async with self.state.step_slot():
