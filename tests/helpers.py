@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import struct
@@ -347,8 +348,6 @@ class Turns:
     (`n`), until stop()."""
 
     def __init__(self):
-        import asyncio
-
         self.loop = asyncio.get_running_loop()
         self.n, self.running = 0, True
         self.loop.call_soon(self._tick)
