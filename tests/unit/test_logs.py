@@ -1,5 +1,6 @@
-"""kvfs.logs.JsonFormatter: a record with a traceback, quotes and newlines is still
-one line of JSON holding each of them."""
+"""kvfs.logs: a record with a traceback, quotes and newlines is still one line of
+JSON holding each of them (JsonFormatter); a server's logging never waits on its
+stderr (setup_logging)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import datetime
 import io
 import json
 import logging
+import select
+import subprocess
+import sys
+
+import pytest
 
 from kvfs.logs import JsonFormatter
 
@@ -32,3 +38,40 @@ def test_a_record_with_a_traceback_is_one_json_line():
     assert datetime.datetime.fromisoformat(first["time"]).tzinfo == datetime.timezone.utc
     assert second["message"] == "scrub failed"
     assert second["exc_info"].startswith("Traceback") and second["exc_info"].endswith('ValueError: slot "7"\nbroken')
+
+
+# A server process logs through setup_logging, then says it is done on another pipe; nobody
+# reads its stderr until then. Each line is 1 KiB, together 20 times a pipe's buffer.
+LOGGING_CHILD = r"""
+import logging, sys
+from kvfs.logs import setup_logging
+setup_logging("INFO", sys.argv[1])
+log = logging.getLogger("kvfs.child")
+for i in range(1280):
+    log.info("line %05d %s", i, "x" * 1000)
+print("logged", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_logging_never_waits_for_stderr_and_every_line_arrives_in_order(fmt, tmp_path):
+    """A caller returns from log.info at once though stderr is a pipe nobody drains
+    (a log shipper that fell behind); the lines follow, all of them, in order, once
+    it is read, and the process exits only after writing the last one."""
+    child = subprocess.Popen([sys.executable, "-c", LOGGING_CHILD, fmt], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        # stdout's line comes while stderr is not being read: with logging on the caller's
+        # thread, the first 64 KiB would have filled the pipe and blocked the child there
+        ready, _, _ = select.select([child.stdout], [], [], 30)
+        assert ready, "the child was held logging into a full pipe"
+        assert child.stdout.readline() == b"logged\n"
+        err = child.stderr.read()
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+        child.wait()
+    lines = err.decode().splitlines()
+    assert len(lines) == 1280
+    messages = [json.loads(line)["message"] if fmt == "json" else line.split(": ", 1)[1] for line in lines]
+    assert messages == [f"line {i:05d} {'x' * 1000}" for i in range(1280)]
