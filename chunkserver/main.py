@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc
-from kvfs.serving import (MetricsServer, add_introspection, bound_address, cluster_key, credentials, grpc_server, run_server,
-                          until_signalled, watch_event_loop, write_ready_file)
+from kvfs.serving import (MetricsServer, add_introspection, bound_address, cluster_key, credentials, freeze_startup_heap,
+                          grpc_server, run_server, until_signalled, watch_event_loop, write_ready_file)
 
 from .config import ChunkserverConfig
 from .dataport import start_data_server
@@ -59,10 +59,11 @@ async def serve(cfg: ChunkserverConfig) -> None:
         metrics_server = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics_server.address)
     await readiness.publish()
+    frozen = freeze_startup_heap()
     await server.start()
-    log.info("chunkserver %s (%s) serving on %s (data port %s): data %s, capacity %d bytes, %s reads, %s mode",
-             cfg.id, cfg.failure_domain, address, data_address or "off", cfg.data_dir, cfg.capacity,
-             store.reader.name, store.io_mode)
+    log.info("chunkserver %s (%s) serving on %s (data port %s): data %s, capacity %d bytes, %s reads, %s mode; "
+             "%d start-up objects frozen out of garbage collection", cfg.id, cfg.failure_domain, address,
+             data_address or "off", cfg.data_dir, cfg.capacity, store.reader.name, store.io_mode, frozen)
     write_ready_file(cfg.ready_file, address, metrics_server.address if metrics_server else "")
     beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds,
                                                    readiness.set_registered)) if cfg.meta else None)

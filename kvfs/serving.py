@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gc
 import logging
 import os
 import pathlib
@@ -102,6 +103,17 @@ def write_ready_file(path: str, address: str, metrics: str = "") -> None:
     with open(tmp, "w") as fh:
         fh.write(address + (f"\nmetrics {metrics}" if metrics else ""))
     os.replace(tmp, path)
+
+
+def freeze_startup_heap() -> int:
+    """Takes every object alive now (modules, classes, the server's own set-up) out
+    of the garbage collector's sight for good (gc.freeze); returns how many. A full
+    collection walks every tracked object, on whichever thread allocated last, the
+    event loop's nearly always; a server's are nearly all made at start-up and live
+    as long as it does. Call it once set up, before serving."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class MetricsServer:

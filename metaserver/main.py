@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvfs import tls
 from kvfs.serving import (STALL_BOUNDS, LoopStats, MetricsServer, StallSampler, add_introspection, bound_address,
-                          cluster_key, credentials, grpc_server, run_server, until_signalled, watch_event_loop,
-                          write_ready_file)
+                          cluster_key, credentials, freeze_startup_heap, grpc_server, run_server, until_signalled,
+                          watch_event_loop, write_ready_file)
 
 from .config import MetaserverConfig
 from .lifecycle import Lifecycle
@@ -50,11 +50,12 @@ async def serve(cfg: MetaserverConfig) -> None:
         ProcessCollector(registry=registry)
         metrics = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics.address)
+    frozen = freeze_startup_heap()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%",
-             address, cfg.data_dir, cfg.replicas, cfg.chunk_size, cfg.eviction_policy, 100 * cfg.evict_high,
-             100 * cfg.evict_low)
+    log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%; "
+             "%d start-up objects frozen out of garbage collection", address, cfg.data_dir, cfg.replicas,
+             cfg.chunk_size, cfg.eviction_policy, 100 * cfg.evict_high, 100 * cfg.evict_low, frozen)
     tasks = [asyncio.create_task(lifecycle.run_forever()), asyncio.create_task(lifecycle.flush_forever()),
              asyncio.create_task(lifecycle.sweep_orphans_forever()), asyncio.create_task(repairer.run_forever()),
              # stalls over 50 ms logged (issue 13's bar), with where the loop was held

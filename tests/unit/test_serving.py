@@ -1,6 +1,8 @@
-"""watch_event_loop: what an operator reads when a server's event loop was held."""
+"""watch_event_loop: what an operator reads when a server's event loop was held;
+freeze_startup_heap: what full garbage collections no longer walk."""
 
 import asyncio
+import gc
 import logging
 import os
 import subprocess
@@ -147,3 +149,18 @@ async def test_a_loop_whose_thread_waits_for_a_core_is_told_from_one_its_own_wor
     assert held >= 500 and waited >= held / 2 and cpu < 0.8 * held, line.getMessage()
     assert dict(zip(serving.STALL_BOUNDS, stats.over_waiting))[0.1] >= 1
     assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
+
+
+def test_objects_alive_at_start_up_leave_the_collectors_walk_and_later_ones_do_not():
+    class SetUp:  # a server's set-up: alive as long as it is
+        pass
+
+    made = [SetUp() for _ in range(1000)]
+    try:
+        assert serving.freeze_startup_heap() >= 1000
+        walked = {id(o) for o in gc.get_objects()}
+        assert not any(id(o) in walked for o in made)
+        later = SetUp()
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
