@@ -37,6 +37,15 @@ COMMIT_PIECE_BESIDE_LOOKUPS = 16
 # The most one step of work should hold the event loop (checked between blocks): a commit
 # building its rows, an allocation placing its blocks, a slice of eviction (state.py)
 SLICE_SECONDS = 0.0015
+# ... while lookups keep coming (readsfirst.py): a lookup that comes during a step waits for
+# its end, so the steps then are shorter, as commit pieces are
+SLICE_SECONDS_BESIDE_LOOKUPS = 0.0005
+
+
+def step_seconds(lookups_coming: bool) -> float:
+    """The most the next step should hold the event loop."""
+    return SLICE_SECONDS_BESIDE_LOOKUPS if lookups_coming else SLICE_SECONDS
+
 LIVE_ROWS_PIECE = 128  # keys an allocation looks up at a time, off the event loop (two multi-gets)
 
 
@@ -144,6 +153,7 @@ class Allocations:
         self.blocks = blocks
         self.clock = clock
         self.piece_blocks: Callable[[], int] = lambda: COMMIT_PIECE  # the next commit piece's size (MetaState's)
+        self.slice_seconds: Callable[[], float] = lambda: step_seconds(False)  # the next step's time (MetaState's)
         self.open: dict[bytes, Allocation] = {}
         # allocations between their first step and their last: (bytes, blocks to keep), so that
         # writers and eviction running between their steps count them and leave their parents
@@ -200,7 +210,7 @@ class Allocations:
                        make_room: Callable[[int], Generator]):
         """Places the chunks of the keys not committed yet. `parent` is the key before
         keys[0] (empty: keys[0] is a prompt's first block). A generator that yields
-        between steps of placement of at most SLICE_SECONDS (and between eviction slices), so
+        between steps of placement of at most slice_seconds() (and between eviction slices), so
         a server serves other calls meanwhile; returns the AllocateBlocksReply. Each
         piece places against the servers' free space as it is then, this and other
         allocations' chunks placed so far included."""
@@ -281,7 +291,7 @@ class Allocations:
 
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
                layout_msg, spans, placed: list):
-        """allocate_steps' placement, a step of at most SLICE_SECONDS at a time, each with the
+        """allocate_steps' placement, a step of at most slice_seconds() at a time, each with the
         chains and free space as of its start; the reply."""
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
                                              chunk_size=self.cfg.chunk_size)
@@ -289,11 +299,11 @@ class Allocations:
                                            expires_at=self.clock() + self.cfg.allocation_timeout)
         prev = parent
         chunk_ids: set[bytes] = set()
-        deadline, fresh = time.perf_counter() + SLICE_SECONDS, False
+        deadline, fresh = time.perf_counter() + self.slice_seconds(), False
         for i, (key, existing) in enumerate(zip(keys, present)):
             if i and time.perf_counter() > deadline:
                 yield
-                deadline, fresh = time.perf_counter() + SLICE_SECONDS, False
+                deadline, fresh = time.perf_counter() + self.slice_seconds(), False
             if not fresh:
                 fresh = True
                 # servers may have gone silent while other calls ran: chains and free space as of now
@@ -333,14 +343,14 @@ class Allocations:
         blocks whose parent expired meanwhile, which nothing could reach; each
         piece's are also passed to `discard` as soon as the piece is written, so a
         commit cut short after some pieces does not leave theirs undeleted). A
-        generator that yields between steps of at most SLICE_SECONDS building rows, then between pieces of
+        generator that yields between steps of at most slice_seconds() building rows, then between pieces of
         piece_blocks() blocks deciding and writing them, so a server can
         serve other calls while a large commit builds its rows, then decides and
         writes them. Each piece's decision (first writer wins, parent present) is
         made in one step with its write, so interleaving cannot change it; a
         commit another call interleaves with may see part of this one, a prefix
         of its blocks, like a lookup does."""
-        deadline = time.perf_counter() + SLICE_SECONDS  # the checks below count towards the first step
+        deadline = time.perf_counter() + self.slice_seconds()  # the checks below count towards the first step
         alloc = self.open.get(req.allocation_id)
         if alloc is None:
             raise NotFound("allocation not found: it expired or was committed already; allocate again")
@@ -382,7 +392,7 @@ class Allocations:
             for block in blocks:
                 if time.perf_counter() > deadline:
                     yield
-                    deadline = time.perf_counter() + SLICE_SECONDS
+                    deadline = time.perf_counter() + self.slice_seconds()
                 full = namespace_digest + block.key
                 chunks = of.chunks(block.key)
                 if self.key:

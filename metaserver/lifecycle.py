@@ -27,7 +27,7 @@ from kvfs.grants import parse_owner
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
-from .state import SLICE_SECONDS, MetaState
+from .state import MetaState
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DELETE_BATCH = 1000
 LIST_PAGE = 1000
 RPC_TIMEOUT = 30
 # Blocks one slice of a background pass touches: 1-2 ms of work at the slowest. (Eviction's
-# slices are bounded by time as well, SLICE_SECONDS: its cost per block grows with the database.)
+# slices are bounded by time as well, MetaState.slice_seconds(): its cost per block grows with the database.)
 # Measured side by side with `kvfs-bench meta --blocks 1M` on an idle machine, 16 against 64:
 # steady 2,000-block hit p99 9.0 vs 17.4 ms, 32-block 4.8 vs 13.9 ms, health-check wait p99
 # 8.4 vs 16.6 ms; a whole RunLifecycle 40.6 vs 27.2 s (more turns, each with its pause).
@@ -88,11 +88,11 @@ class Lifecycle:
 
     async def each_in_turns(self, items, fn) -> None:
         """fn(item) for each of `items` (a page of an inventory: each check reads a
-        block's row), in turns of at most SLICE_SECONDS, one item at least."""
+        block's row), in turns of at most slice_seconds(), one item at least."""
         at = 0
         while at < len(items):
             async with self.turn():
-                deadline = time.perf_counter() + SLICE_SECONDS
+                deadline = time.perf_counter() + self.state.slice_seconds()
                 while at < len(items):
                     fn(items[at])
                     at += 1
@@ -112,6 +112,10 @@ class Lifecycle:
                 break
             total += n
         return total
+
+    def _evict_slice(self) -> int:
+        """One slice of background eviction, bounded by time too."""
+        return self.state.evict_slice(4 * SLICE, self.state.slice_seconds())
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -233,7 +237,7 @@ class Lifecycle:
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            await self.drain(self.state.evict_slice, 4 * SLICE, SLICE_SECONDS, room=True)
+            await self.drain(self._evict_slice, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
@@ -264,7 +268,7 @@ class Lifecycle:
                 self.state.flush_usage()
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = await self.drain(self.state.evict_slice, 4 * SLICE, SLICE_SECONDS, room=True)
+                evicted = await self.drain(self._evict_slice, room=True)
                 # a full delete queue stops eviction until a delete pass empties it: that pass now,
                 # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
                 if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():

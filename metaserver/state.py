@@ -27,7 +27,7 @@ from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
-from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, SLICE_SECONDS, Allocations, joined_keys
+from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, Allocations, joined_keys, step_seconds
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
@@ -131,6 +131,7 @@ class MetaState:
         self._step_gate = asyncio.Lock()  # the loop's step slot: allocations', commits' and background passes' steps, one at a time
         self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
         self.allocations.piece_blocks = lambda: COMMIT_PIECE_BESIDE_LOOKUPS if self.reads.coming() else COMMIT_PIECE
+        self.allocations.slice_seconds = self.slice_seconds
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))
 
@@ -186,6 +187,11 @@ class MetaState:
                  parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         return run_steps(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
                                                          self.make_room_steps))
+
+    def slice_seconds(self) -> float:
+        """The most the next step of work (a write's, or a background slice) should
+        hold the event loop: less while lookups keep coming (allocations.step_seconds)."""
+        return step_seconds(self.reads.coming())
 
     def step_slot(self):
         """The loop's step slot (step_slot()), for a slice of synchronous work."""
@@ -261,7 +267,7 @@ class MetaState:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
             was = self.blocks.cache_bytes
-            n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + SLICE_SECONDS)
+            n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + self.slice_seconds())
             freed += was - self.blocks.cache_bytes
             evicted += n
             if not n:

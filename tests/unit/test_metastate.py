@@ -734,3 +734,39 @@ async def test_a_background_slice_and_a_writers_step_never_share_a_turn_of_the_e
     turns = [t for _, t in seen]
     assert len(set(turns)) == len(turns)  # no two steps, of either kind, in one turn
     assert not state._step_gate.locked()
+
+
+def test_beside_lookups_a_commit_builds_its_rows_in_shorter_steps(make_state, monkeypatch):
+    """While lookups keep coming a step of work holds the loop at most
+    SLICE_SECONDS_BESIDE_LOOKUPS, else SLICE_SECONDS. Made a step per block beside
+    lookups and no time limit without (commit pieces the same size either way), a
+    40-block commit's steps tell them apart: 40 steps building rows and one writing
+    them, against that one alone."""
+    from kvfs.metaserver import allocations, state as state_module
+
+    monkeypatch.setattr(allocations, "SLICE_SECONDS", 3600.0)
+    monkeypatch.setattr(allocations, "SLICE_SECONDS_BESIDE_LOOKUPS", 0.0)
+    monkeypatch.setattr(state_module, "COMMIT_PIECE_BESIDE_LOOKUPS", state_module.COMMIT_PIECE)
+    state = make_state()
+    keys = block_keys(NS, range(320), 4)  # 80 blocks of 4 tokens
+
+    def commit_steps(blocks) -> int:
+        alloc = state.allocate(NS.digest, blocks, LAYOUT_MSG, b"" if blocks[0] == keys[0] else keys[39])
+        req = meta_pb2.CommitBlocksRequest(allocation_id=alloc.allocation_id)
+        for b in alloc.blocks:
+            req.blocks.add(key=b.key, chunk_checksums=[7] * len(b.chunks))
+        steps, n = state.allocations.commit_steps(NS.digest, req), 0
+        with pytest.raises(StopIteration) as done:
+            while True:
+                next(steps)
+                n += 1
+        assert done.value.value[0] == len(blocks)
+        return n
+
+    assert state.slice_seconds() == 3600.0
+    assert commit_steps(keys[:40]) == 1
+    state.reads.clock = lambda: 100.0  # a lookup reached its handler "just now", and stays recent
+    state.reads.began()
+    assert state.slice_seconds() == 0.0
+    assert commit_steps(keys[40:]) == 41
+    assert state.match(NS.digest, keys).matched == 80
