@@ -537,7 +537,8 @@ class _Run:
         if task is not None:
             self.progress.remove_task(task)
         self.log(f"fill: {fill.committed} blocks committed in {seconds:.1f}s ({fill.committed / seconds:.0f} blocks/s)"
-                 f"; {fill.failed_batches} batches failed")
+                 f"; {fill.failed_batches} batches failed"
+                 + (" (" + ", ".join(f"{n} {code}" for code, n in fill.errors.most_common()) + ")" if fill.errors else ""))
         return {"blocks": fill.committed, "chains": len(lengths), "seconds": seconds,
                 "blocks_per_s": fill.committed / seconds, "deciles": fill.deciles(t0),
                 "already_present": fill.already, "refused": fill.refused, "failed_batches": fill.failed_batches,
