@@ -43,6 +43,47 @@ def log_format_option() -> Any:
                   "exc_info) for log shippers", FORMATS)
 
 
+# Lines waiting for the writer thread at most; past that, lines are dropped and counted, and
+# the next line that gets in is preceded by one that says how many went (a stderr nobody
+# reads must not grow the server's memory without bound, whoever makes it log)
+MAX_QUEUED_LINES = 10_000
+EXIT_WAIT = 5.0  # seconds the exit waits for the queued lines to be written, at most
+
+
+class _QueuedLines(logging.handlers.QueueHandler):
+    """A QueueHandler on a bounded queue that drops and counts what does not fit."""
+
+    def __init__(self, lines: queue.Queue):
+        super().__init__(lines)
+        self.dropped = 0
+
+    def enqueue(self, record: logging.LogRecord) -> None:  # called under the handler's lock
+        try:
+            if self.dropped:
+                self.queue.put_nowait(self._dropped_line())
+                self.dropped = 0
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _dropped_line(self) -> logging.LogRecord:
+        return self.prepare(logging.LogRecord(__name__, logging.WARNING, __file__, 0,
+                                              "%d log lines dropped: stderr did not keep up", (self.dropped,), None))
+
+    def close_with(self, writer: logging.handlers.QueueListener) -> None:
+        """At exit: says how many lines went, if any did, and lets the writer write
+        what is queued, waiting EXIT_WAIT at most for each (stderr may never drain)."""
+        try:
+            with self.lock:
+                if self.dropped:
+                    self.queue.put(self._dropped_line(), timeout=EXIT_WAIT)
+                    self.dropped = 0
+            self.queue.put(writer._sentinel, timeout=EXIT_WAIT)
+        except queue.Full:
+            return
+        writer._thread.join(EXIT_WAIT)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Sends the process's log lines to stderr at `level`, as `fmt` (one of FORMATS).
     A line is formatted where it is logged and written by a thread of its own
@@ -50,14 +91,15 @@ def setup_logging(level: str, fmt: str) -> None:
     that logs never waits on stderr's write, which blocks while the disk under a log
     file is busy (a filling metaserver's loop was seen held 93 ms in a write to a
     file of its own, a trace added to measure it) or while whoever reads a pipe
-    falls behind."""
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    handler = logging.handlers.QueueHandler(lines)
+    falls behind. At most MAX_QUEUED_LINES wait; the rest are dropped, and counted
+    in the log."""
+    lines: queue.Queue = queue.Queue(MAX_QUEUED_LINES)
+    handler = _QueuedLines(lines)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter("%(message)s"))  # the line as formatted by `handler`
     writer = logging.handlers.QueueListener(lines, out)
     writer.start()
-    atexit.register(writer.stop)
+    atexit.register(handler.close_with, writer)
     logging.basicConfig(level=level, handlers=[handler])
     logging.captureWarnings(True)  # Python's warnings too, so every line of a JSON log is JSON
