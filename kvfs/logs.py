@@ -70,24 +70,39 @@ class _QueuedLines(logging.handlers.QueueHandler):
         return self.prepare(logging.LogRecord(__name__, logging.WARNING, __file__, 0,
                                               "%d log lines dropped: stderr did not keep up", (self.dropped,), None))
 
-    def close_with(self, writer: logging.handlers.QueueListener) -> None:
-        """At exit: says how many lines went, if any did, and lets the writer write
-        what is queued, waiting EXIT_WAIT at most for each (stderr may never drain)."""
+    def say_dropped(self) -> None:
+        """At exit: a line that says how many lines went, if any did (waiting
+        EXIT_WAIT at most for room)."""
+        with self.lock:
+            if self.dropped:
+                self.queue.put(self._dropped_line(), timeout=EXIT_WAIT)
+                self.dropped = 0
+
+
+class _Writer(logging.handlers.QueueListener):
+    """A QueueListener whose stop waits EXIT_WAIT at most for what is queued to be
+    written: stderr may never drain."""
+
+    def stop(self) -> None:
         try:
-            with self.lock:
-                if self.dropped:
-                    self.queue.put(self._dropped_line(), timeout=EXIT_WAIT)
-                    self.dropped = 0
-            self.queue.put(writer._sentinel, timeout=EXIT_WAIT)
+            self.queue.put(self._sentinel, timeout=EXIT_WAIT)
         except queue.Full:
             return
-        writer._thread.join(EXIT_WAIT)
+        self._thread.join(EXIT_WAIT)
+
+
+def _at_exit(handler: _QueuedLines, writer: _Writer) -> None:
+    try:
+        handler.say_dropped()
+    except queue.Full:
+        return
+    writer.stop()
 
 
 def setup_logging(level: str, fmt: str) -> None:
     """Sends the process's log lines to stderr at `level`, as `fmt` (one of FORMATS).
     A line is formatted where it is logged and written by a thread of its own
-    (logging.handlers.QueueListener), which drains the queue at exit: an event loop
+    (a logging.handlers.QueueListener), which drains the queue at exit: an event loop
     that logs never waits on stderr's write, which blocks while the disk under a log
     file is busy (a filling metaserver's loop was seen held 93 ms in a write to a
     file of its own, a trace added to measure it) or while whoever reads a pipe
@@ -98,8 +113,8 @@ def setup_logging(level: str, fmt: str) -> None:
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     out = logging.StreamHandler(sys.stderr)
     out.setFormatter(logging.Formatter("%(message)s"))  # the line as formatted by `handler`
-    writer = logging.handlers.QueueListener(lines, out)
+    writer = _Writer(lines, out)
     writer.start()
-    atexit.register(handler.close_with, writer)
+    atexit.register(_at_exit, handler, writer)
     logging.basicConfig(level=level, handlers=[handler])
     logging.captureWarnings(True)  # Python's warnings too, so every line of a JSON log is JSON
