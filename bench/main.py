@@ -530,6 +530,34 @@ def _trace(args) -> int:
     return 0
 
 
+def _shards(args) -> int:
+    from .shards import shard_balance
+
+    counts = [int(n) for n in args.metaservers.split(",")]
+    traces = []
+    for path in args.path:
+        r = shard_balance(path, counts, args.block_tokens, args.limit)
+        console.print(f"kvfs-bench shards: {path}: {r['requests']} requests, {r['roots']} distinct first blocks, "
+                      f"{r['blocks']} 512-token blocks; routed by the first {r['block_tokens']}-token block's key; "
+                      f"the hottest first block has {r['hottest_root_lookup_share']:.1%} of the lookups, the "
+                      f"largest prefix tree {r['largest_root_block_share']:.1%} of the blocks (no cluster)")
+        table = Table(title=f"per metaserver, over the mean (1.00 is even): {path}")
+        for col in ("metaservers", "blocks max", "blocks min", "lookups max", "lookups min", "blocks each",
+                    "lookups each"):
+            table.add_column(col, justify="right")
+        for x in r["results"]:
+            b, k = x["blocks_balance"], x["lookups_balance"]
+            table.add_row(str(x["metaservers"]), f"{b['max_over_mean']:.2f}", f"{b['min_over_mean']:.2f}",
+                          f"{k['max_over_mean']:.2f}", f"{k['min_over_mean']:.2f}",
+                          " ".join(map(str, x["blocks"])), " ".join(map(str, x["lookups"])))
+        console.print(table)
+        traces.append({"path": path, **r})
+    _write_json(args.json, {"bench": "shards", **_host(), "config": {
+        "paths": args.path, "metaservers": counts, "block_tokens": args.block_tokens, "limit": args.limit},
+        "traces": traces})
+    return 0
+
+
 def _host() -> dict:
     return {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}}
@@ -653,13 +681,20 @@ def main(argv: list[str] | None = None) -> int:
     mixed.add_argument("--io-mode", default="direct", help="the chunkservers': direct (O_DIRECT) or buffered")
     mixed.add_argument("--write-yield", default="0,20ms",
                        help="the chunkservers' write_yield settings to compare, one run each (0: writes never wait)")
-    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants, mixed):
+    shards = sub.add_parser("shards", help="how evenly hash slots spread a trace's prefixes over N metaservers "
+                                           "(blocks and lookups per metaserver; no cluster)")
+    shards.add_argument("path", nargs="+", help="a Mooncake-format trace, or gen:SHAPE[:REQUESTS[:SEED]]")
+    shards.add_argument("--metaservers", default="2,4,8", help="metaserver counts to compare")
+    shards.add_argument("--block-tokens", type=int, default=64, help="tokens under a prompt's first block key")
+    shards.add_argument("--limit", type=int, help="only the first N requests")
+    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants, mixed, shards):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants, "mixed": _mixed}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants, "mixed": _mixed,
+            "shards": _shards}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -279,3 +279,18 @@ def test_restore_bench_over_a_shaped_network_runs_each_server_in_a_namespace(tmp
     if config["hits"]:
         assert result["bytes_restored"] > 0  # read over the namespaces' links
     assert "SHAPED NETWORK" in stdout and "1 Gbit/s" in stdout and "4x slower" in stdout
+
+
+def test_shards_reports_blocks_and_lookups_per_metaserver(tmp_path):
+    import pathlib
+
+    trace = pathlib.Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_first500.jsonl"
+    report, stdout = run(["shards", str(trace), "gen:agent:200:1", "--metaservers", "2,4"], tmp_path)
+    assert report["bench"] == "shards" and [t["path"] for t in report["traces"]] == [str(trace), "gen:agent:200:1"]
+    for t in report["traces"]:
+        assert [x["metaservers"] for x in t["results"]] == [2, 4]
+        for x in t["results"]:
+            assert sum(x["blocks"]) == t["blocks"] and sum(x["lookups"]) == t["requests"]
+            assert x["blocks_balance"]["max_over_mean"] >= 1.0 >= x["blocks_balance"]["min_over_mean"]
+    assert report["traces"][0]["requests"] == 500
+    assert "lookups max" in stdout
