@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvfs-installed
 VLLM_STAMP := $(VENV)/.kvfs-vllm-installed
 
-.PHONY: setup demo docs-top test test-unit bench stubs config clean
+.PHONY: setup system-packages demo docs-top test test-unit bench stubs config clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,21 @@ demo: setup
 docs-top: setup
 	$(BIN)/kvfs demo --top-svg docs/kvfs-top.svg
 
-test: setup $(VLLM_STAMP)
+# servers and tools the tests run, installed from Debian when missing (as root):
+# ip (iproute2) builds network namespaces, prometheus scrapes a cluster, etcd holds
+# several metaservers' leases
+SYSTEM_TOOLS := ip:iproute2 prometheus:prometheus etcd:etcd-server
+
+system-packages:
+	@missing=""; for t in $(SYSTEM_TOOLS); do \
+	    command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	    else echo "the tests need:$$missing (Debian packages; run as root to have them installed)"; exit 1; fi; \
+	fi
+
+test: setup $(VLLM_STAMP) system-packages
 	$(BIN)/python -m pytest -q tests
 
 test-unit: setup

@@ -28,6 +28,15 @@ def credentials():
     return Credentials.from_files(env["KVFS_CLIENT_TLS_CA"], env["KVFS_CLIENT_TLS_CERT"], env["KVFS_CLIENT_TLS_KEY"])
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody holds right now (for servers that want one named)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):
     """Polls `condition` until it returns a truthy value or the deadline passes."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -20,18 +19,12 @@ from kvfs.client import Client
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
 
-from helpers import dashboard_queries, layer_major, restore_all, tokens_for, wait_until
+from helpers import dashboard_queries, free_port, layer_major, restore_all, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v2-lite")
 SMALL = BlockLayout(layers=6, block_tokens=64, kv_dim=64, dtype="bfloat16")  # 48 KiB blocks, one chunk each
 CHECKSUM_BLOCK = 64 * 1024  # the data port reads and verifies whole blocks of this size
 DASHBOARD = pathlib.Path(__file__).parents[2] / "deploy" / "grafana" / "kvfs.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
