@@ -220,6 +220,7 @@ class ChunkStore:
         self.slots = SlotFiles(slots_dir, self.io_mode == "direct", cfg.reserve, cfg.capacity)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
+        opts.set_avoid_unnecessary_blocking_io(True)  # obsolete files deleted off the loop (metaserver/db.py)
         self._db = Rdict(str(root / "index"), opts)
         self.counters = Counters()
         self.pacer = ReadPacer(cfg.tenant_read_rate, self.counters)
