@@ -46,7 +46,7 @@ system-packages:
 	    else echo "the tests need:$$missing (Debian packages; run as root to have them installed)"; exit 1; fi; \
 	fi
 
-test: setup $(VLLM_STAMP) system-packages
+test: system-packages setup $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test-unit: setup

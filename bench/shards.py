@@ -52,7 +52,7 @@ def shard_balance(source, counts: list[int], block_tokens: int = 64, limit: int 
     largest = blocks_per_root.most_common(1)[0][1] / len(root_of_block) if root_of_block else 0.0
     out = []
     for n in counts:
-        shard_map = ShardMap.even([Owner(f"meta-{i}", f"meta-{i}:0") for i in range(n)])
+        shard_map = ShardMap.even([Owner(f"meta-{i}", f"meta-{i}:7000") for i in range(n)])
         blocks, lookups = Counter(), Counter()
         for root, k in blocks_per_root.items():
             blocks[shard_map.owner_of(slot[root]).id] += k

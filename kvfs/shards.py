@@ -19,13 +19,17 @@ owner, within bounds.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 HASH_SLOTS = 16384
 MAX_OWNERS = 1024
 MAX_ID_BYTES = 128
+MAX_EPOCH = (1 << 63) - 1
 MAX_MAP_BYTES = 1 << 20  # a serialized map: 16,384 one-slot ranges take about 400 KB
+_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
 def hash_slot(first_key: bytes) -> int:
@@ -37,10 +41,18 @@ def hash_slot(first_key: bytes) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Owner:
-    """A metaserver that may hold slots: its id (stable across restarts) and address."""
+    """A metaserver that may hold slots: its id (stable across restarts; letters,
+    digits, '.', '_' and '-') and its address (host:port)."""
 
     id: str
     address: str
+
+    def __post_init__(self):
+        if not isinstance(self.id, str) or not _ID.fullmatch(self.id):
+            raise ValueError(f"an owner id is 1 to {MAX_ID_BYTES} letters, digits, '.', '_' or '-', got {self.id!r}")
+        if not isinstance(self.address, str) or not _ADDRESS.fullmatch(self.address) or \
+                not 0 < int(self.address.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(f"owner {self.id}: an address is host:port, got {self.address!r}"[:300])
 
 
 class ShardMap:
@@ -53,16 +65,13 @@ class ShardMap:
     __slots__ = ("epoch", "owners", "slots")
 
     def __init__(self, epoch: int, owners: Sequence[Owner], slots: Sequence[int]):
-        if epoch < 0:
-            raise ValueError(f"a shard map's epoch is not negative, got {epoch}")
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"a shard map's epoch is 0 to 2**63 - 1, got {epoch}")
         if not owners or len(owners) > MAX_OWNERS:
             raise ValueError(f"a shard map has 1 to {MAX_OWNERS} owners, got {len(owners)}")
         ids = [o.id for o in owners]
         if len(set(ids)) != len(ids):
             raise ValueError(f"owner ids repeat in the shard map: {sorted(i for i in set(ids) if ids.count(i) > 1)}")
-        for o in owners:
-            if not o.id or len(o.id.encode()) > MAX_ID_BYTES or not o.address or len(o.address) > MAX_ID_BYTES:
-                raise ValueError(f"an owner needs an id and an address of 1 to {MAX_ID_BYTES} bytes, got {o!r}")
         if len(slots) != HASH_SLOTS:
             raise ValueError(f"a shard map assigns {HASH_SLOTS} slots, got {len(slots)}")
         if any(not 0 <= s < len(owners) for s in slots):
@@ -123,25 +132,29 @@ class ShardMap:
             slots[held[richest].pop()] = new  # from the end of its ranges: ranges stay contiguous
         return ShardMap(self.epoch + 1, owners, slots)
 
-    def removing(self, owner_id: str) -> ShardMap:
-        """A map without `owner_id`: its slots spread over the others, the ones
-        holding fewest first (failover, or a metaserver taken out)."""
-        gone = self._index(owner_id)
-        if len(self.owners) == 1:
-            raise ValueError("the last owner of a shard map cannot be removed")
-        keep = [i for i in range(len(self.owners)) if i != gone]
-        renumber = {old: new for new, old in enumerate(keep)}
+    def removing(self, *owner_ids: str) -> ShardMap:
+        """A map without `owner_ids` (failover, or metaservers taken out): their slots,
+        in order, go in runs to the others, each topped up to an equal share, the
+        ones holding fewest first."""
+        gone = {self._index(i) for i in owner_ids}
+        keep = [i for i in range(len(self.owners)) if i not in gone]
+        if not keep:
+            raise ValueError("a shard map keeps at least one owner")
         count = {i: 0 for i in keep}
         for o in self.slots:
-            if o != gone:
+            if o in count:
                 count[o] += 1
-        slots = []
-        for o in self.slots:
-            if o == gone:
-                o = min(keep, key=lambda i: (count[i], i))
-                count[o] += 1
-            slots.append(renumber[o])
-        return ShardMap(self.epoch + 1, [self.owners[i] for i in keep], slots)
+        freed = [s for s, o in enumerate(self.slots) if o in gone]
+        share, extra = divmod(HASH_SLOTS, len(keep))
+        slots = list(self.slots)
+        at = 0
+        for rank, i in enumerate(sorted(keep, key=lambda i: (count[i], i))):
+            want = share + (rank < extra) - count[i]
+            for s in freed[at : at + max(0, want)]:
+                slots[s] = i
+            at += max(0, want)  # the wants above zero add up to at least len(freed)
+        renumber = {old: new for new, old in enumerate(keep)}
+        return ShardMap(self.epoch + 1, [self.owners[i] for i in keep], [renumber[o] for o in slots])
 
     def moves(self, newer: ShardMap) -> list[tuple[int, int, str, str]]:
         """The slots whose owner differs in `newer`, as ranges (first, last, from id, to id)."""
@@ -177,12 +190,14 @@ class ShardMap:
         try:
             doc = json.loads(raw)
             epoch, owners, ranges = doc["epoch"], doc["owners"], doc["ranges"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"not a shard map: {err}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as err:
+            raise ValueError(f"not a shard map: {type(err).__name__}: {err}"[:300]) from None
         if not isinstance(epoch, int) or isinstance(epoch, bool):
             raise ValueError(f"a shard map's epoch is an integer, got {epoch!r}")
         if not isinstance(owners, list) or not all(_pair(o) for o in owners):
             raise ValueError("a shard map's owners are [id, address] string pairs")
+        if not 1 <= len(owners) <= MAX_OWNERS:
+            raise ValueError(f"a shard map has 1 to {MAX_OWNERS} owners, got {len(owners)}")
         if not isinstance(ranges, list) or len(ranges) > HASH_SLOTS:
             raise ValueError(f"a shard map has at most {HASH_SLOTS} slot ranges")
         slots = [-1] * HASH_SLOTS
@@ -190,6 +205,8 @@ class ShardMap:
             if not (isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r)):
                 raise ValueError(f"a slot range is [first, last, owner index], got {r!r}")
             first, last, owner = r
+            if not 0 <= owner < len(owners):
+                raise ValueError(f"slot range {first}..{last}: owner index {owner} is not one of the {len(owners)} owners")
             if not 0 <= first <= last < HASH_SLOTS:
                 raise ValueError(f"slot range {first}..{last} is outside 0..{HASH_SLOTS - 1}")
             if any(slots[s] != -1 for s in range(first, last + 1)):
@@ -197,7 +214,7 @@ class ShardMap:
             slots[first : last + 1] = [owner] * (last - first + 1)
         if -1 in slots:
             raise ValueError(f"slot {slots.index(-1)} has no owner")
-        return cls(epoch, [Owner(i, a) for i, a in owners], slots)
+        return cls(epoch, [Owner(i, a) for i, a in owners], slots)  # Owner checks ids and addresses
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShardMap) and (self.epoch, self.owners, tuple(self.slots)) == \

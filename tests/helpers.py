@@ -30,11 +30,19 @@ def credentials():
 
 def free_port() -> int:
     """A loopback TCP port nobody holds right now (for servers that want one named)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback TCP ports nobody holds right now (all held while choosing)."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):

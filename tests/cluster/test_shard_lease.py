@@ -1,17 +1,20 @@
 """Metaservers' hold on hash slots through real etcd (metaserver/coordination.py):
-one map, one owner per slot, and a silent owner stops answering before anyone
-else starts answering for its slots."""
+one map, one owner per slot at every moment, whatever happens to etcd, the member
+keys or the map."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
 
-from kvfs.metaserver.coordination import EtcdClient, SlotLease, keys
+from kvfs.metaserver.coordination import CLOCK_MARGIN, EtcdClient, SlotLease, keys
 from kvfs.shards import HASH_SLOTS, Owner, ShardMap
 
 from etcd import EtcdCluster
 from helpers import until
+
+MAP_KEY, MEMBERS = keys("test")
 
 
 @pytest.fixture
@@ -21,81 +24,165 @@ def etcd(tmp_path):
     cluster.stop()
 
 
-def lease(etcd, name: str, *members: str, **kw) -> SlotLease:
+def lease(etcd, name: str, *members: str, ttl: int = 4) -> SlotLease:
     return SlotLease(EtcdClient(etcd.endpoints(*members), timeout=2), "test", Owner(name, f"{name}.example:7000"),
-                     **kw)
+                     ttl=ttl)
 
 
-def served_by(leases) -> list[list[str]]:
-    return [[s.me.id for s in leases if s.serves(slot)] for slot in range(HASH_SLOTS)]
+class NeverTwo:
+    """Samples which leases answer for a few slots every millisecond, and records
+    any moment when two answer for one slot."""
+
+    def __init__(self, leases, slots):
+        self.leases, self.slots, self.both, self.samples = leases, slots, [], 0
+
+    async def run(self):
+        while True:
+            for s in self.slots:
+                holders = [x.me.id for x in self.leases if x.serves(s)]
+                if len(holders) > 1:
+                    self.both.append((s, holders))
+            self.samples += 1
+            await asyncio.sleep(0.001)
+
+    @contextlib.asynccontextmanager
+    async def watching(self):
+        task = asyncio.create_task(self.run())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert self.samples > 10 and not self.both, self.both[:5]
+
+
+def spread(m: ShardMap) -> list[int]:
+    """A few slots of every owner: first, middle, last."""
+    out = []
+    for o in m.owners:
+        mine = m.slots_of(o.id)
+        out += [mine[0], mine[len(mine) // 2], mine[-1]]
+    return out
 
 
 async def stop_all(*leases):
-    for s in leases:
-        await s.stop()
-        await s.etcd.close()
+    for x in leases:
+        await x.stop()
+        await x.etcd.close()
+
+
+@contextlib.asynccontextmanager
+async def started(*leases):
+    """The leases started together (the map made over all of them), stopped after."""
+    try:
+        await asyncio.gather(*(x.start(create_over=len(leases)) for x in leases))
+        yield leases
+    finally:
+        await stop_all(*leases)
 
 
 async def test_starters_agree_on_one_even_map_and_a_clean_stop_hands_its_slots_over(etcd):
-    a, b = lease(etcd, "m0", ttl=2), lease(etcd, "m1", ttl=2)
-    try:
-        await asyncio.gather(a.start(create_over=2), b.start(create_over=2))
+    async with started(lease(etcd, "m0"), lease(etcd, "m1")) as (a, b):
         assert a.shard_map == b.shard_map and a.shard_map.epoch == 1
         assert a.shard_map.counts() == {"m0": HASH_SLOTS // 2, "m1": HASH_SLOTS // 2}
-        assert all(len(owners) == 1 for owners in served_by([a, b]))  # every slot, exactly one server
-
-        await a.stop()  # revokes: its member key goes at once
-        await until(lambda: all(b.serves(s) for s in range(HASH_SLOTS)), timeout=10, what="m1 serving every slot")
+        assert all(sum(x.serves(s) for x in (a, b)) == 1 for s in range(HASH_SLOTS))
+        async with NeverTwo([a, b], spread(a.shard_map)).watching():
+            await a.stop()  # revokes: its member key goes at once
+            await until(lambda: all(b.serves(s) for s in range(HASH_SLOTS)), timeout=15, what="m1 serving all")
         assert not any(a.serves(s) for s in range(HASH_SLOTS))
         assert b.shard_map.epoch == 2 and [o.id for o in b.shard_map.owners] == ["m1"] and b.takeovers == 1
-    finally:
-        await stop_all(a, b)
 
 
 async def test_an_owner_cut_off_from_etcd_stops_answering_before_another_takes_its_slots(etcd):
     # m0 reaches etcd only through e0; freezing e0 cuts it off while e1 and e2 keep a quorum
-    a, b = lease(etcd, "m0", "e0", ttl=2), lease(etcd, "m1", "e1", "e2", ttl=2)
-    try:
-        await asyncio.gather(a.start(create_over=2), b.start(create_over=2))
+    async with started(lease(etcd, "m0", "e0", ttl=3), lease(etcd, "m1", "e1", "e2", ttl=3)) as (a, b):
         slot = a.shard_map.slots_of("m0")[0]
         assert a.serves(slot) and not b.serves(slot)
-        etcd.pause("e0")
-        last_a = first_b = None
-        deadline = time.monotonic() + 30
-        while first_b is None and time.monotonic() < deadline:
-            now = time.monotonic()
-            if a.serves(slot):
-                last_a = now
-            if b.serves(slot):
-                first_b = now
-            await asyncio.sleep(0.005)
-        assert last_a is not None and first_b is not None, (last_a, first_b)
-        assert first_b > last_a  # never both
-        assert not a.serving() and b.takeovers == 1
-        assert all(b.serves(s) for s in range(HASH_SLOTS))
-
-        etcd.resume("e0")  # back: its lease is gone, it joins again, and the map gives it nothing
-        await until(lambda: a.serving(), timeout=15, what="m0 holding a lease again")
-        await until(lambda: a.shard_map.epoch == b.shard_map.epoch, timeout=10, what="m0 reading the new map")
+        async with NeverTwo([a, b], spread(a.shard_map)).watching():
+            etcd.pause("e0")
+            await until(lambda: b.serves(slot), timeout=30, what="m1 taking m0's slots")
+            assert not a.serving() and b.takeovers == 1
+            assert all(b.serves(s) for s in range(HASH_SLOTS))
+            etcd.resume("e0")  # back: its lease is gone, it joins again, and the map gives it nothing
+            await until(lambda: a.serving(), timeout=20, what="m0 holding a lease and the map again")
+        assert a.shard_map.epoch == b.shard_map.epoch == 2
         assert not any(a.serves(s) for s in range(HASH_SLOTS))
-    finally:
-        etcd.resume("e0")
-        await stop_all(a, b)
 
 
-async def test_a_map_written_wrong_in_etcd_is_not_believed_and_the_owner_keeps_serving(etcd):
-    a = lease(etcd, "m0", ttl=2)
+async def test_a_member_key_deleted_under_a_live_lease_is_put_back_and_nobody_takes_its_slots(etcd):
+    async with started(lease(etcd, "m0"), lease(etcd, "m1")) as (a, b):
+        old = a.lease_id
+        async with NeverTwo([a, b], spread(a.shard_map)).watching():
+            await a.etcd.delete(MEMBERS + b"m0")  # an operator's mistake; m0's lease lives on
+            await until(lambda: not a.serving(), timeout=10, what="m0 noticing its key gone")
+            await until(lambda: a.serving() and a.lease_id != old, timeout=20, what="m0 joined again")
+        # m0 was back within a TTL of its key going, so m1 never took its slots
+        assert b.takeovers == 0 and a.shard_map.epoch == 1 and a.serves(a.shard_map.slots_of("m0")[0])
+
+
+async def test_a_second_process_with_the_same_id_never_serves_beside_the_first(etcd):
+    a, twin = lease(etcd, "m0"), lease(etcd, "m0")
     try:
         await a.start()
-        good = a.shard_map
-        map_key, _ = keys("test")
-        older = ShardMap.even([Owner("m1", "x:1")], epoch=0).to_json().encode()
-        for bad, message in ((b"not json", "not a shard map"), (older, "epoch went from 1 to 0")):
-            await a.etcd.put(map_key, bad)
-            with pytest.raises(ValueError, match=message):
-                await a.round()
-            assert a.shard_map == good and a.serves(0)
+        with pytest.raises(TimeoutError, match="held by another lease"):
+            await twin.start(deadline=3)
+        assert a.serves(0) and not twin.serving()
     finally:
+        await stop_all(a, twin)
+
+
+async def test_when_every_owner_in_the_map_is_gone_the_members_left_take_all_slots(etcd):
+    a = lease(etcd, "m0")
+    late = lease(etcd, "m9")  # joins after the map exists: not in it
+    try:
+        await a.start()
+        await late.start()
+        assert late.serving() and not any(late.serves(s) for s in range(HASH_SLOTS))
+        async with NeverTwo([a, late], [0, HASH_SLOTS - 1]).watching():
+            await a.stop()
+            await until(lambda: all(late.serves(s) for s in range(HASH_SLOTS)), timeout=15, what="m9 taking all")
+        assert [o.id for o in late.shard_map.owners] == ["m9"] and late.shard_map.epoch == 2
+    finally:
+        await stop_all(a, late)
+
+
+async def test_a_map_written_wrong_or_older_stops_every_owner_until_a_good_one_is_back(etcd):
+    async with started(lease(etcd, "m0"), lease(etcd, "m1")) as (a, b):
+        good = a.shard_map
+        # a map deleted and written again from scratch (epoch 1 over others): no owner may believe it
+        restarted = ShardMap.even([Owner("m1", "m1.example:7000"), Owner("m0", "m0.example:7000")], epoch=1)
+        async with NeverTwo([a, b], spread(good)).watching():
+            for bad in (b"not json", restarted.to_json().encode()):
+                await a.etcd.put(MAP_KEY, bad)
+                await until(lambda: not a.serving() and not b.serving(), timeout=15, what="both refusing")
+                assert a.shard_map == good
+            newer = ShardMap(good.epoch + 5, good.owners, good.slots)
+            await a.etcd.put(MAP_KEY, newer.to_json().encode())
+            await until(lambda: a.serving() and b.serving(), timeout=15, what="both serving the newer map")
+        assert a.shard_map == newer == b.shard_map
+
+
+async def test_a_stopped_lease_started_again_reads_the_map_before_answering(etcd):
+    async with started(lease(etcd, "m0"), lease(etcd, "m1")) as (a, b):
+        await a.stop(revoke=False)  # its lease runs out in etcd; m1 takes its slots
+        async with NeverTwo([a, b], spread(a.shard_map)).watching():
+            await until(lambda: all(b.serves(s) for s in range(HASH_SLOTS)), timeout=20, what="m1 serving all")
+            await a.start()
+        assert a.shard_map.epoch == b.shard_map.epoch and not any(a.serves(s) for s in range(HASH_SLOTS))
+
+
+async def test_a_frozen_endpoint_is_left_for_another(etcd):
+    a = lease(etcd, "m0", "e0", "e1", "e2")
+    try:
+        await a.start()
+        etcd.pause("e0")
+        paused = time.monotonic()
+        # a renewal sent after the pause was granted: through e1 or e2
+        await until(lambda: a.lease_valid_until > paused + a.ttl * (1 - CLOCK_MARGIN), timeout=15,
+                    what="a renewal sent after the pause, granted")
+        assert a.etcd.endpoint != etcd.endpoint("e0") and a.serves(0)
+    finally:
+        etcd.resume("e0")
         await stop_all(a)
 
 
