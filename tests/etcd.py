@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 import shutil
@@ -13,6 +14,13 @@ import urllib.request
 from helpers import free_ports, wait_until
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: killed when the test process dies, even by SIGKILL
+    (a killed pytest otherwise leaves its etcd members running)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class EtcdCluster:
@@ -50,7 +58,7 @@ class EtcdCluster:
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
                  "--initial-cluster-token", f"kvfs-test-{os.getpid()}",
                  "--heartbeat-interval", "100", "--election-timeout", "1000"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
             log.close()
         wait_until(lambda: all(self.healthy(n) for n in self.names), timeout=30, what="etcd members healthy")
 
