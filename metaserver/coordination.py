@@ -158,6 +158,7 @@ class SlotLease:
         self._stopped = False
         self._rejected = 0  # the map revision last refused
         self._join_lock = asyncio.Lock()
+        self._joins = 0  # a map round confirms nothing if a join happened during it
         self._tasks: list[asyncio.Task] = []
         self._trouble: dict[str, str] = {}  # per loop, the last error logged (logged again only when it changes)
 
@@ -244,6 +245,9 @@ class SlotLease:
                 raise MemberKeyHeld(f"member key {self.member_key.decode()} is held by another lease (another "
                                     f"process with id {self.me.id}, or this one's lapsed lease not yet expired)")
             self.lease_id = lease.id
+            self._joins += 1  # rounds under way confirm nothing, and nothing read before counts:
+            self._confirmed = False
+            self.shard_map, self.map_revision = None, 0
             self.lease_valid_until = sent + lease.ttl * (1 - CLOCK_MARGIN)
             log.info("shard lease: %s joined with lease %x (TTL %d s)", self.me.id, lease.id, lease.ttl)
 
@@ -294,7 +298,7 @@ class SlotLease:
         """Checks the member key, reads the map (creating it when there is none and
         `create_over` members are there), then takes over dead owners' slots."""
         deadline = self.poll * 2
-        sent = self.clock()
+        joins, sent = self._joins, self.clock()
         got = await bounded(self.etcd.get(self.member_key), timeout=deadline)
         if got is None or got.lease != self.lease_id:
             self._confirmed = False
@@ -310,6 +314,8 @@ class SlotLease:
                 await self._read_map()
             if self.shard_map is None:
                 return
+        if self._joins != joins:  # rejoined meanwhile: the map read may predate the new member key
+            return
         self._confirmed = True
         await bounded(self._take_over(), timeout=deadline)
 
