@@ -64,6 +64,7 @@ BATCH = 500  # keys per AllocateBlocks / CommitBlocks
 HIT_SIZES = (32, 512, 2000)
 LOOKUP_CHAINS = 4  # the chains lookups use: written last, then hit, so eviction keeps them
 CHECKSUM = 0x6B76_6673_6265_6E63  # any uint64: the fakes hold no bytes to check
+EVICTION_WRITES = 1_000_000  # blocks the eviction phase writes at least, or a tenth of the fill if less
 FILL_SHARE = 0.95  # with evict: the fill ends at this share of the cache
 NO_EVICT_CAPACITY = 100 << 40  # per fake server: 100 TiB
 STATUS_COUNTERS = ("blocks", "evicted_blocks", "expired_blocks", "blocks_lost", "stranded_blocks",
@@ -598,12 +599,16 @@ class _Run:
             p["lifecycle_runs"] = {**_summary(runs), "errors": dict(errors)}
 
     async def _eviction_phase(self, sampler: Sampler) -> None:
-        """Writers in a process of their own (WriterProcess) add chains until the
-        metaserver has evicted (the fakes get its deletes) and the lookups have their
-        samples; at most a fifth of the fill more."""
+        """Writers in a process of their own (WriterProcess) add chains until they have
+        written a tenth of the fill (at most EVICTION_WRITES), the metaserver has evicted
+        (the fakes get its deletes) and the lookups have their samples; at most a fifth
+        of the fill more. Deletes alone do not end it: where the eviction the fill
+        started is still running (at 50M it was, 600 s after the fill), they come at
+        once, and the phase had ended after 8,000 blocks written and 2 s of samples."""
         cfg = self.cfg
         deleted0 = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0)
         lengths = [cfg.chain] * max(1, cfg.blocks // 5 // cfg.chain)
+        least = min(cfg.blocks // 10, EVICTION_WRITES)
         writers = await asyncio.to_thread(WriterProcess(self.meta.address, lengths, cfg.clients, cfg.deadline).start)
         written: dict = {}
         evicted = False
@@ -613,8 +618,9 @@ class _Run:
             while True:
                 await asyncio.sleep(0.2)
                 evicted = evicted or (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0
-                if not self.meta.alive() or (evicted and sampler.rounds >= cfg.samples) \
-                        or (await asyncio.to_thread(writers.counts))["done"]:
+                counts = await asyncio.to_thread(writers.counts)
+                if not self.meta.alive() or counts["done"] \
+                        or (evicted and sampler.rounds >= cfg.samples and counts["committed"] >= least):
                     written.update(await asyncio.to_thread(writers.stop))
                     return
 
@@ -624,7 +630,8 @@ class _Run:
                 p["lookups"] = await sampler.run(keep_going=lambda: not watcher.done())
                 await watcher
                 p["writes"] = {"blocks": written["committed"], "failed_batches": written["failed_batches"],
-                               "errors": written["errors"], "deletes_seen": evicted, "writer": "own process"}
+                               "errors": written["errors"], "deletes_seen": evicted, "writer": "own process",
+                               "least": least}
         finally:
             writers.kill()
 
