@@ -184,13 +184,15 @@ class Fill:
         await asyncio.gather(*(writer() for _ in range(clients)))
 
     async def _chain(self, n: int, keep: list[bytes] | None) -> None:
-        parent = b""
+        parent = first = b""
         for start in range(0, n, BATCH):
             raw = os.urandom(16 * min(BATCH, n - start))
             keys = [raw[j : j + 16] for j in range(0, len(raw), 16)]
+            first = first or keys[0]
             try:
                 alloc = await self.stub.AllocateBlocks(meta_pb2.AllocateBlocksRequest(
-                    namespace=NS, keys=keys, layout=LAYOUT_MSG, parent=parent), timeout=self.deadline)
+                    namespace=NS, keys=keys, layout=LAYOUT_MSG, parent=parent, first_key=first),
+                    timeout=self.deadline)
                 commit = meta_pb2.CommitBlocksRequest(namespace=NS, allocation_id=alloc.allocation_id)
                 for b in alloc.blocks:
                     if not b.already_present:

@@ -289,7 +289,7 @@ class Client:
             return WriteResult(0, 0, 0, 0.0)
         alloc = await self._meta_call(self._meta.AllocateBlocks, meta_pb2.AllocateBlocksRequest(
             namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout),
-            parent=keys[first_block - 1] if first_block else b""))
+            parent=keys[first_block - 1] if first_block else b"", first_key=keys[0]))
         limit = asyncio.Semaphore(self.write_concurrency)
         commit = meta_pb2.CommitBlocksRequest(namespace=_ns(namespace), allocation_id=alloc.allocation_id,
                                               ttl_class=ttl_class)
@@ -302,7 +302,7 @@ class Client:
             for index, placement in enumerate(block.chunks):
                 span = layout.span_of(placement.offset, placement.length)
                 owner = owner_record(namespace.digest, block.key, index, len(block.chunks), _layout_msg(layout),
-                                     alloc.chunk_size, placement.owner_seal, ttl_class)
+                                     alloc.chunk_size, placement.owner_seal, alloc.hash_slot, ttl_class)
                 pieces = layout.scatter(span, first_block + i, tokens)
                 jobs.append(self._write_chunk(limit, placement, span.length, pieces, src, owner, entry, index,
                                               alloc.chunk_size))

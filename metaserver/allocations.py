@@ -17,6 +17,7 @@ from kvfs.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, 
 from kvfs.grants import owner_seal
 from kvfs.keys import KEY_BYTES
 from kvfs.pacing import Gcra
+from kvfs.shards import hash_slot
 from kvfs.tls import RECEIPT, seal
 from kvfs.proto import meta_pb2
 
@@ -26,7 +27,7 @@ from .config import MetaserverConfig
 from .db import Batch, MetaDB, OffLoop
 from .groups import NO_KEY
 from .membership import Membership, ServerState
-from .records import ALLOC, ALLOC_SETTLED, Row, read_u64, row_layout, u64
+from .records import ALLOC, ALLOC_SETTLED, Row, read_u64, row_hash_slot, row_layout, u64
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,30 @@ def _no_key(what: str) -> InvalidArgument:  # NO_KEY marks an empty slot in a ro
                            f"digests, kvfs/keys.py)")
 
 
+def hash_slot_of(first: bytes, parent: bytes, parent_row: bytes | None, first_key: bytes) -> int:
+    """The hash slot of the prompt an allocation's keys (from `first` on) belong to: the
+    slot of the prompt's first key (kvfs/shards.py), so that its blocks are all where a
+    lookup of it goes. A prompt's first block gives it; else the parent's row as stored,
+    where the parent is cached, or else the first key the writer names."""
+    if first_key and len(first_key) != KEY_BYTES:
+        raise InvalidArgument(f"first_key must be a {KEY_BYTES}-byte block key; got {len(first_key)} bytes")
+    if not parent:
+        if first_key and first_key != first:
+            raise InvalidArgument("first_key differs from keys[0] where parent is empty: keys[0] is the prompt's "
+                                  "first block")
+        return hash_slot(first)
+    if parent_row is not None:
+        slot = row_hash_slot(parent_row)
+        if first_key and hash_slot(first_key) != slot:
+            raise InvalidArgument(f"first_key is not in the hash slot of parent block {parent.hex()[:16]}'s prompt "
+                                  f"({hash_slot(first_key)} against {slot})")
+        return slot
+    if not first_key:
+        raise InvalidArgument(f"parent block {parent.hex()[:16]} is not cached and first_key is empty: name the "
+                              f"prompt's first key, whose hash slot the blocks go to")
+    return hash_slot(first_key)
+
+
 def same_layout(raw: bytes, layout: meta_pb2.BlockLayout) -> bool:
     """Whether a row (as stored) has this layout."""
     return meta_pb2.BlockLayout.FromString(row_layout(raw)) == layout
@@ -207,9 +232,10 @@ class Allocations:
         return set().union(*(a.chunk_ids for a in self.open.values()))
 
     def allocate_steps(self, namespace_digest: bytes, keys: list[bytes], layout_msg, parent: bytes,
-                       make_room: Callable[[int], Generator]):
+                       make_room: Callable[[int], Generator], first_key: bytes = b""):
         """Places the chunks of the keys not committed yet. `parent` is the key before
-        keys[0] (empty: keys[0] is a prompt's first block). A generator that yields
+        keys[0] (empty: keys[0] is a prompt's first block); `first_key`, the prompt's
+        first key, whose hash slot holds the prompt (hash_slot_of). A generator that yields
         between steps of placement of at most slice_seconds() (and between eviction slices), so
         a server serves other calls meanwhile; returns the AllocateBlocksReply. Each
         piece places against the servers' free space as it is then, this and other
@@ -231,11 +257,13 @@ class Allocations:
         if not capacity:
             raise Unavailable("no live chunkservers to place blocks on")
         spans = layout.chunks(self.cfg.chunk_size)
+        parent_row = None
         if parent:
             (parent_row,) = self.blocks.live_rows([namespace_digest + parent])
             if parent_row is not None and not same_layout(parent_row, layout_msg):
                 raise InvalidArgument(f"block layout {layout} differs from the layout of parent block "
                                       f"{parent.hex()[:16]}: a prompt's blocks share one layout")
+        slot = hash_slot_of(keys[0], parent, parent_row, first_key) if keys else 0
         alloc_id = os.urandom(16)
         # its parent and keys pinned from here on: eviction between the steps below must not take a
         # block found present (the reply tells the writer not to write it)
@@ -267,7 +295,7 @@ class Allocations:
             # room first: placement then counts the evicted chunks' space as free
             yield from make_room(incoming, tenant)
             reply = yield from self._place(alloc_id, namespace_digest, keys, present, parent, layout_msg, spans,
-                                           placed)
+                                           placed, slot)
         except BaseException:  # an error, or the call cancelled between steps (GeneratorExit)
             for server, n in placed:
                 server.pending_bytes = max(0, server.pending_bytes - n)
@@ -290,13 +318,13 @@ class Allocations:
         return out
 
     def _place(self, alloc_id: bytes, namespace_digest: bytes, keys: list[bytes], present, parent: bytes,
-               layout_msg, spans, placed: list):
+               layout_msg, spans, placed: list, slot: int):
         """allocate_steps' placement, a step of at most slice_seconds() at a time, each with the
         chains and free space as of its start; the reply."""
         reply = meta_pb2.AllocateBlocksReply(allocation_id=alloc_id, expires_in_s=self.cfg.allocation_timeout,
-                                             chunk_size=self.cfg.chunk_size)
+                                             chunk_size=self.cfg.chunk_size, hash_slot=slot)
         record = meta_pb2.AllocationRecord(namespace_digest=namespace_digest, layout=layout_msg,
-                                           expires_at=self.clock() + self.cfg.allocation_timeout)
+                                           expires_at=self.clock() + self.cfg.allocation_timeout, hash_slot=slot)
         prev = parent
         chunk_ids: set[bytes] = set()
         deadline, fresh = time.perf_counter() + self.slice_seconds(), False
@@ -321,7 +349,7 @@ class Allocations:
                 cid = os.urandom(16)
                 chunk_ids.add(cid)
                 seal = (owner_seal(self.key, namespace_digest + key, index, len(spans), layout_msg,
-                                   self.cfg.chunk_size, cid) if self.key else b"")
+                                   self.cfg.chunk_size, cid, slot) if self.key else b"")
                 block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
                                  addresses=[live[s].record.address for s in chain],
                                  data_addresses=[live[s].record.data_address for s in chain], owner_seal=seal)
@@ -399,7 +427,8 @@ class Allocations:
                     self._check_receipts(block, chunks)
                 stored = [(c.chunk_id, c.offset, c.length, xxh, self.members.numbers(c.servers))
                           for c, xxh in zip(chunks, block.chunk_checksums)]
-                rows[full] = self.blocks.new_row(full, record.layout, stored, of.parent(block.key), ttl_class, now)
+                rows[full] = self.blocks.new_row(full, record.layout, stored, of.parent(block.key), ttl_class, now,
+                                                 hash_slot=record.hash_slot)
             # Deciding and writing go a piece at a time too. Each piece is decided against
             # the metadata as it is then and written in one batch with the allocation's
             # count of settled keys: after every piece the metadata is whole, a block is
@@ -453,8 +482,11 @@ class Allocations:
                 continue
             parent = parents[block.key]
             if parent and namespace_digest + parent not in new and (
-                    parent_present.get(parent) is None or not same_layout(parent_present[parent], alloc.record.layout)):
-                garbage += of.chunks(block.key)  # its parent expired, was lost, or was written again otherwise
+                    parent_present.get(parent) is None or not same_layout(parent_present[parent], alloc.record.layout)
+                    or row_hash_slot(parent_present[parent]) != alloc.record.hash_slot):
+                # its parent expired, was lost, or was written again otherwise (another layout; for the
+                # slot: committed meanwhile by a writer that named another first key, so one of them lied)
+                garbage += of.chunks(block.key)
                 continue
             new[full] = rows[full]
         replaced = {f: Row.decode(raw) for f, raw, live in zip(fulls, stored, present)

@@ -79,6 +79,7 @@ class Repair:
     holders: list[str]  # live servers that have it
     layout: meta_pb2.BlockLayout
     ttl_class: str
+    hash_slot: int  # its prompt's, sealed into the new copy's owner record
 
 
 RECENT, FREQUENT = ArcPolicy.RECENT, ArcPolicy.FREQUENT
@@ -930,7 +931,7 @@ class BlockTable:
                     chunk = meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length,
                                                  checksum=c.checksum, servers=self.members.ids(c.replicas))
                     wanting.append(Repair(full, index, len(loc.chunks), chunk, self.members.ids(holders),
-                                          loc.layout, row.ttl_class))
+                                          loc.layout, row.ttl_class, row.hash_slot))
             else:
                 if wanting:
                     repairs += wanting
@@ -1011,9 +1012,9 @@ class BlockTable:
         return None
 
     def new_row(self, full: bytes, layout: meta_pb2.BlockLayout, chunks, parent: bytes, ttl_class: str,
-                now: float, created: float | None = None) -> Row:
+                now: float, created: float | None = None, hash_slot: int = 0) -> Row:
         """A row for a block about to be committed; `chunks` are (chunk_id, offset,
-        length, checksum, server numbers)."""
+        length, checksum, server numbers); `hash_slot`, its prompt's."""
         loc = meta_pb2.BlockLocation(chunks=[meta_pb2.ChunkLocation(chunk_id=cid, offset=offset, length=length,
                                                                     checksum=checksum, replicas=servers)
                                              for cid, offset, length, checksum, servers in chunks])
@@ -1022,4 +1023,4 @@ class BlockTable:
                    nbytes=sum(c[2] for c in chunks), parent=parent,
                    servers=tuple(sorted({s for c in chunks for s in c[4]})), ttl_class=ttl_class,
                    location=frame(loc), layout=layout.SerializeToString(), key=full[KEY_BYTES:],
-                   copies=min((len(c[4]) for c in chunks), default=0))
+                   copies=min((len(c[4]) for c in chunks), default=0), hash_slot=hash_slot)

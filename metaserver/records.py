@@ -58,7 +58,7 @@ ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 ALLOC_SETTLED = b"e"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
 
-FORMAT = 5  # of this layout; a database of another format is refused at start
+FORMAT = 6  # of this layout; a database of another format is refused at start
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -132,18 +132,20 @@ def _varint(n: int) -> bytes:
 
 
 # key; then version, flags, servers in the row, ttl, last use (what a lookup reads);
-# then depth, hits, created, rank, footprint, payload bytes, slot, parent, copies
+# then depth, hits, created, rank, footprint, payload bytes, slot, parent, copies, hash slot
 _KEY = KEY_BYTES
 LOOKUP = struct.Struct("<2xHId")  # (servers in the row, ttl, last use), read at offset KEY_BYTES
-_HEAD = struct.Struct("<BBHIdIIddQQQ16sB")
+_HEAD = struct.Struct("<BBHIdIIddQQQ16sBH")
 # the header's fields a hit changes, and those it is computed from: (ttl, last use, depth,
 # hits, created, rank), fixed-width at USE_AT, so a flush of hits rewrites them in place
 USE = struct.Struct("<IdIIdd")
 USE_AT = _KEY + struct.calcsize("<BBH")  # after the version, flags and server count
 _SLOT = struct.Struct("<Q")
+_HASH_SLOT = struct.Struct("<H")
 _SLOT_AT = _KEY + struct.calcsize("<BBHIdIIddQQ")  # where the header holds the slot
 _PARENT_AT = _SLOT_AT + 8  # the parent's key
 _COPIES_AT = _PARENT_AT + KEY_BYTES  # and the fewest copies of a chunk
+_HASH_SLOT_AT = _COPIES_AT + 1  # and the prompt's hash slot (kvfs/shards.py)
 SERVERS = _KEY + _HEAD.size  # where the server numbers start, 2 bytes each; then the ttl class name
 _HAS_PARENT = 1
 _REPLY_BLOCK = b"\x12"  # MatchPrefixReply.blocks: field 2, length-delimited
@@ -170,12 +172,13 @@ class Row:
     key: bytes = b""  # the block key
     slot: int = -1  # where the row is stored (its group and place in it); given at commit
     copies: int = 0  # the fewest servers any of its chunks is on (at most 255)
+    hash_slot: int = 0  # its prompt's (kvfs/shards.py): the slot of the prompt's first key
 
     def encode(self) -> bytes:
         n = len(self.servers)
         head = _HEAD.pack(1, _HAS_PARENT if self.parent else 0, n, self.ttl, self.last_used, self.depth, self.hits,
                           self.created, self.rank, self.footprint, self.nbytes, self.slot,
-                          self.parent or bytes(KEY_BYTES), min(self.copies, 255))
+                          self.parent or bytes(KEY_BYTES), min(self.copies, 255), self.hash_slot)
         name = self.ttl_class.encode()
         return b"".join((self.key, head, struct.pack(f"<{n}H", *self.servers), bytes([len(name)]), name,
                          _U16.pack(len(self.layout)), self.layout, self.location))
@@ -183,14 +186,14 @@ class Row:
     @classmethod
     def decode(cls, raw: bytes) -> Row:
         (_, flags, n, ttl, last_used, depth, hits, created, rank, footprint, nbytes, slot,
-         parent, copies) = _HEAD.unpack_from(raw, _KEY)
+         parent, copies, hash_slot) = _HEAD.unpack_from(raw, _KEY)
         servers = struct.unpack_from(f"<{n}H", raw, SERVERS)
         at = SERVERS + 2 * n
         name = raw[at + 1 : at + 1 + raw[at]].decode()
         layout_at, location_at = _layout_span(raw)
         return cls(ttl, depth, hits, created, last_used, rank, footprint, nbytes,
                    parent if flags & _HAS_PARENT else b"", servers, name, raw[location_at:],
-                   raw[layout_at + 2 : location_at], raw[:_KEY], slot, copies)
+                   raw[layout_at + 2 : location_at], raw[:_KEY], slot, copies, hash_slot)
 
     def block_location(self) -> meta_pb2.BlockLocation:
         """The block's location with its key and layout (a lookup's reply carries neither per block)."""
@@ -236,6 +239,11 @@ def row_parent(raw: bytes) -> bytes:
 def row_copies(raw: bytes) -> int:
     """The fewest servers a chunk of a row (as stored) is on."""
     return raw[_COPIES_AT]
+
+
+def row_hash_slot(raw: bytes) -> int:
+    """The hash slot of a row's (as stored) prompt."""
+    return _HASH_SLOT.unpack_from(raw, _HASH_SLOT_AT)[0]
 
 
 def frame(loc: meta_pb2.BlockLocation, chunks_only: bool = False) -> bytes:

@@ -144,7 +144,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
         evicted = self.state.evicted_blocks
         digest = namespace_digest(request.namespace, context)
         self.state.blocks.usage.note(digest, request.namespace.tenant)  # its blocks are billed to the tenant
-        reply = await self.state.allocate_async(digest, request.keys, request.layout, request.parent)
+        reply = await self.state.allocate_async(digest, request.keys, request.layout, request.parent,
+                                                request.first_key)
         await self.state.durable()
         await self._free_evicted(evicted)
         return reply

@@ -128,6 +128,10 @@ class MetaState:
         self.evicting = False  # between passing the high watermark and reaching the low one
         self.client_calls = 0  # lookups and writes begun (metrics.timed): background passes yield to them
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
+        # The hash slots (kvfs/shards.py) this metaserver answers for: all of them when it is the
+        # only one; else those its lease holds (coordination.SlotLease.serves). Chunks whose owner
+        # records name another slot are another metaserver's: never collected or rebuilt here.
+        self.owns: Callable[[int], bool] = lambda slot: True
         self._step_gate = asyncio.Lock()  # the loop's step slot: allocations', commits' and background passes' steps, one at a time
         self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
         self.allocations.piece_blocks = lambda: COMMIT_PIECE_BESIDE_LOOKUPS if self.reads.coming() else COMMIT_PIECE
@@ -184,9 +188,9 @@ class MetaState:
     # ---- writes and lookups ----------------------------------------------
 
     def allocate(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
-                 parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
+                 parent: bytes = b"", first_key: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         return run_steps(self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent,
-                                                         self.make_room_steps))
+                                                         self.make_room_steps, first_key))
 
     def slice_seconds(self) -> float:
         """The most the next step of work (a write's, or a background slice) should
@@ -198,9 +202,10 @@ class MetaState:
         return step_slot(self._step_gate, self.reads)
 
     async def allocate_async(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
-                             parent: bytes = b"") -> meta_pb2.AllocateBlocksReply:
+                             parent: bytes = b"", first_key: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
-        steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps)
+        steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps,
+                                                first_key)
         return await run_steps_async(steps, self._step_gate, self.reads, self.db.reader)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
@@ -528,7 +533,7 @@ class MetaState:
         """Whether a chunk server `server_id` holds belongs to a committed block that lists
         its copies on other servers only (re-replicated while this one was away). Chunks
         metadata knows nothing of are not stale: orphan GC takes them, after its grace."""
-        if owner is None or server_id not in self.servers:
+        if owner is None or server_id not in self.servers or not self.owns(owner.hash_slot):
             return False
         return self.blocks.holds(owner.namespace_digest + owner.block_key, chunk_id,
                                  self.servers[server_id].number) is False
@@ -536,8 +541,9 @@ class MetaState:
     def is_referenced(self, chunk_id: bytes, owner: meta_pb2.ChunkOwner | None, open_chunks: set[bytes],
                       server_id: str) -> bool:
         """Whether a chunk server `server_id` holds is one of the copies a committed block
-        lists, or part of an open allocation."""
-        if chunk_id in open_chunks:
+        lists, or part of an open allocation; or is filed under a hash slot another
+        metaserver answers for (whose metadata is not here to say)."""
+        if chunk_id in open_chunks or (owner is not None and not self.owns(owner.hash_slot)):
             return True
         if owner is None or server_id not in self.servers:
             return False
@@ -553,13 +559,14 @@ class MetaState:
     def rebuild_stage(self, server_id: str, chunks) -> int:
         """Stages chunks (ListChunks entries) a rebuild found on a server, each under its
         block, so that the blocks can then be restored a slice at a time. Returns
-        chunks staged (those without an owner record naming a block are skipped)."""
+        chunks staged (those without an owner record naming a block, or naming a hash slot
+        this metaserver does not answer for, are skipped)."""
         server = self.servers[server_id].number
         batch = Batch()
         n = 0
         for info in chunks:
             owner = parse_owner(info.owner)
-            if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF:
+            if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF or not self.owns(owner.hash_slot):
                 continue
             if self.key and not owner_sealed(self.key, owner, info.chunk_id):
                 self.forged_owners += 1  # not an owner record this metaserver issued for this chunk
@@ -636,7 +643,7 @@ class MetaState:
         ttl_class = owner.ttl_class if owner.ttl_class in self.blocks.ttls else self.cfg.default_ttl_class
         # chunk owner records do not name the parent: rebuilt blocks are roots to eviction
         return self.blocks.new_row(full, owner.layout, stored, b"", ttl_class, now,
-                                   created=min(c[3] for c in chunks.values()))
+                                   created=min(c[3] for c in chunks.values()), hash_slot=owner.hash_slot)
 
     # ---- counters ----------------------------------------------------------
 

@@ -212,12 +212,13 @@ def local_owner(chunk_id: bytes, namespace_digest: bytes, block_key: bytes = b"k
     metaserver seals it at allocation: for raw data-port writes to servers without one."""
     from kvfs.grants import owner_record, owner_seal
     from kvfs.proto import meta_pb2
+    from kvfs.shards import hash_slot
     from kvfs.tls import LocalCA, load_cluster_key
 
     key = load_cluster_key(LocalCA(os.environ["KVFS_LOCAL_CA"]).key_path)
     layout = meta_pb2.BlockLayout(layers=1, block_tokens=64, kv_dim=576, dtype="bfloat16")
-    seal = owner_seal(key, namespace_digest + block_key, 0, 1, layout, 1 << 20, chunk_id)
-    return owner_record(namespace_digest, block_key, 0, 1, layout, 1 << 20, seal)
+    seal = owner_seal(key, namespace_digest + block_key, 0, 1, layout, 1 << 20, chunk_id, hash_slot(block_key))
+    return owner_record(namespace_digest, block_key, 0, 1, layout, 1 << 20, seal, hash_slot(block_key))
 
 
 def dashboard_queries(path) -> list[tuple[str, str]]:

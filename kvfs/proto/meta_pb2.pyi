@@ -29,7 +29,7 @@ class BlockLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ChunkOwner(_message.Message):
-    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size", "seal")
+    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size", "seal", "hash_slot")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class ChunkOwner(_message.Message):
     TTL_CLASS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEAL_FIELD_NUMBER: _ClassVar[int]
+    HASH_SLOT_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     block_key: bytes
     chunk_index: int
@@ -46,7 +47,8 @@ class ChunkOwner(_message.Message):
     ttl_class: str
     chunk_size: int
     seal: bytes
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ..., seal: _Optional[bytes] = ...) -> None: ...
+    hash_slot: int
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ..., seal: _Optional[bytes] = ..., hash_slot: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes", "data_address")
@@ -99,16 +101,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, register_again: _Optional[bool] = ...) -> None: ...
 
 class AllocateBlocksRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "layout", "parent")
+    __slots__ = ("namespace", "keys", "layout", "parent", "first_key")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_KEY_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     layout: BlockLayout
     parent: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    first_key: bytes
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parent: _Optional[bytes] = ..., first_key: _Optional[bytes] = ...) -> None: ...
 
 class ChunkPlacement(_message.Message):
     __slots__ = ("chunk_id", "offset", "length", "servers", "addresses", "owner_seal", "data_addresses")
@@ -139,16 +143,18 @@ class BlockAllocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., already_present: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[ChunkPlacement, _Mapping]]] = ...) -> None: ...
 
 class AllocateBlocksReply(_message.Message):
-    __slots__ = ("allocation_id", "blocks", "expires_in_s", "chunk_size")
+    __slots__ = ("allocation_id", "blocks", "expires_in_s", "chunk_size", "hash_slot")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SLOT_FIELD_NUMBER: _ClassVar[int]
     allocation_id: bytes
     blocks: _containers.RepeatedCompositeFieldContainer[BlockAllocation]
     expires_in_s: float
     chunk_size: int
-    def __init__(self, allocation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockAllocation, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    hash_slot: int
+    def __init__(self, allocation_id: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[BlockAllocation, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., chunk_size: _Optional[int] = ..., hash_slot: _Optional[int] = ...) -> None: ...
 
 class CommitBlock(_message.Message):
     __slots__ = ("key", "chunk_checksums", "receipts")
@@ -425,7 +431,7 @@ class StoredChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ..., servers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocationRecord(_message.Message):
-    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents", "settled")
+    __slots__ = ("namespace_digest", "expires_at", "keys", "chunks", "layout", "parents", "settled", "hash_slot")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +439,7 @@ class AllocationRecord(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    HASH_SLOT_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     expires_at: float
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -440,7 +447,8 @@ class AllocationRecord(_message.Message):
     layout: BlockLayout
     parents: _containers.RepeatedScalarFieldContainer[bytes]
     settled: int
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ..., settled: _Optional[int] = ...) -> None: ...
+    hash_slot: int
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunks: _Optional[_Iterable[_Union[StoredChunk, _Mapping]]] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., parents: _Optional[_Iterable[bytes]] = ..., settled: _Optional[int] = ..., hash_slot: _Optional[int] = ...) -> None: ...
 
 class ServerRecord(_message.Message):
     __slots__ = ("id", "address", "failure_domain", "capacity_bytes", "data_address", "number")

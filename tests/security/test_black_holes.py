@@ -52,7 +52,7 @@ async def test_a_commit_needs_a_receipt_for_every_copy_it_names(cluster, who):
         placement = alloc.blocks[0].chunks[0]
         data = os.urandom(placement.length)
         owner = owner_record(NS_A_DIGEST, alloc.blocks[0].key, 0, 1, LAYOUT_MSG, alloc.chunk_size,
-                             placement.owner_seal)  # the write grant its placement carries
+                             placement.owner_seal, alloc.hash_slot)  # the write grant its placement carries
         err = await refused(commit(alloc, [chunk_checksum(data)], []), grpc.StatusCode.FAILED_PRECONDITION)
         assert "no receipt" in err.details()
         # one copy of two written

@@ -26,7 +26,7 @@ def test_a_read_grant_names_its_namespace_and_tenant_until_it_expires_and_only_u
 
 def test_owner_namespace_reads_the_digest_a_stored_owner_record_names():
     layout = meta_pb2.BlockLayout(layers=2, block_tokens=64, kv_dim=64, dtype="bfloat16")
-    raw = owner_record(NS, b"k" * 16, 0, 1, layout, 1 << 20, b"s" * 16, "chat")
+    raw = owner_record(NS, b"k" * 16, 0, 1, layout, 1 << 20, b"s" * 16, 7, "chat")
     assert owner_namespace(raw) == NS
     no_namespace = meta_pb2.ChunkOwner(block_key=b"k" * 16).SerializeToString()
     assert owner_namespace(no_namespace) == b"" and owner_namespace(b"") == b""

@@ -322,6 +322,7 @@ def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
 
     from kvfs.grants import owner_sealed
     from kvfs.proto import chunk_pb2
+    from kvfs.shards import hash_slot
 
     state = make_state()
     state.key = state.allocations.key = os.urandom(32)  # as --cluster-key gives it
@@ -332,7 +333,8 @@ def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
 
     def info(key, chunk_id, seal, **change):
         owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=key, chunk_index=0, chunk_count=1,
-                                    layout=LAYOUT_MSG, ttl_class="chat", chunk_size=64 * 1024, seal=seal)
+                                    layout=LAYOUT_MSG, ttl_class="chat", chunk_size=64 * 1024, seal=seal,
+                                    hash_slot=alloc.hash_slot)
         for field, value in change.items():
             setattr(owner, field, value)
         return chunk_pb2.ChunkInfo(chunk_id=chunk_id, length=LAYOUT.payload_bytes, checksum=5, created=900.0,
@@ -346,8 +348,10 @@ def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
         info(k2, c2.chunk_id, os.urandom(16)),  # a made-up seal
         info(k1, c0.chunk_id, c0.owner_seal),  # a real seal moved onto another block's record
         info(k2, c2.chunk_id, c2.owner_seal, block_key=b"x" * 16),  # a sealed record, edited
+        info(k2, c2.chunk_id, c2.owner_seal, hash_slot=alloc.hash_slot ^ 1),  # ... filed under another hash slot
     ])
-    assert staged == 1 and state.forged_owners == 4
+    assert alloc.hash_slot == hash_slot(keys[0])
+    assert staged == 1 and state.forged_owners == 5
     assert owner_sealed(state.key, meta_pb2.ChunkOwner.FromString(
         info(k0, c0.chunk_id, c0.owner_seal).owner), c0.chunk_id)
 
