@@ -34,6 +34,7 @@ RULES: dict[str, frozenset[str]] = {
     _META + "CommitBlocks": frozenset({WORKER}),
     _META + "MatchPrefix": frozenset({WORKER}),
     _META + "TenantKey": frozenset({WORKER}),
+    _META + "ShardMap": frozenset({WORKER, ADMIN}),
     # cluster-wide counts and server addresses, nothing per tenant (the SDK's status())
     _META + "Status": frozenset({WORKER, ADMIN, SERVER}),
     # per-tenant usage (`kvfs usage`): workers for the tenants their certificate names, admins all

@@ -40,6 +40,21 @@ class FailedPrecondition(KvfsError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Moved(FailedPrecondition):
+    """A metaserver does not answer for this hash slot (kvfs/shards.py): the shard map
+    it holds gives the slot to another, named in the trailing metadata (MOVED_TO, its
+    address; MAP_EPOCH, the map's epoch). A client refreshes its map and asks there."""
+
+    MOVED_TO, MAP_EPOCH = "kvfs-moved-to", "kvfs-map-epoch"
+
+    def __init__(self, message: str, slot: int = -1, address: str = "", epoch: int = 0):
+        super().__init__(message)
+        self.slot, self.address, self.epoch = slot, address, epoch
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((self.MOVED_TO, self.address), (self.MAP_EPOCH, str(self.epoch)))
+
+
 class DataLoss(KvfsError):
     """Stored or transferred bytes failed their checksum: never served."""
 
@@ -119,4 +134,12 @@ def from_rpc_error(err: grpc.RpcError, peer: str = "") -> KvfsError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     where = f" (from {peer})" if peer else ""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and hasattr(err, "trailing_metadata"):
+        trailers = dict(err.trailing_metadata() or ())
+        if Moved.MOVED_TO in trailers:
+            try:
+                epoch = int(trailers.get(Moved.MAP_EPOCH, "0"))
+            except ValueError:
+                epoch = 0
+            return Moved(f"{details}{where}", address=str(trailers[Moved.MOVED_TO]), epoch=epoch)
     return from_code(code, f"{details}{where}")

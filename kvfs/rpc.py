@@ -27,7 +27,8 @@ async def abort(context: grpc.aio.ServicerContext, rpc: str, err: KvfsError) -> 
     """Ends the call with the error's status and message, after a log line."""
     level = logging.ERROR if err.code == grpc.StatusCode.INTERNAL else logging.WARNING
     log.log(level, "%s from %s: %s %s", rpc, context.peer(), err.code.name, err.message)
-    await context.abort(err.code, err.message)
+    trailers = err.trailers() if hasattr(err, "trailers") else ()
+    await context.abort(err.code, err.message, trailers)
 
 
 def handles_errors(method):

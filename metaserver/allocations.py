@@ -180,6 +180,8 @@ class Allocations:
         self.piece_blocks: Callable[[], int] = lambda: COMMIT_PIECE  # the next commit piece's size (MetaState's)
         self.slice_seconds: Callable[[], float] = lambda: step_seconds(False)  # the next step's time (MetaState's)
         self.open: dict[bytes, Allocation] = {}
+        # raises unless this metaserver answers for a hash slot now (sharded.Shards.check): alone, it does
+        self.check_slot: Callable[[int], None] = lambda slot: None
         # allocations between their first step and their last: (bytes, blocks to keep), so that
         # writers and eviction running between their steps count them and leave their parents
         self.placing: dict[bytes, tuple[int, set[bytes]]] = {}
@@ -252,11 +254,6 @@ class Allocations:
             raise InvalidArgument(f"block layout of {layout.layers} layers and {layout.payload_bytes} bytes; at most "
                                   f"{self.cfg.max_layers} layers and {self.cfg.max_block_bytes} bytes "
                                   f"(max_layers, max_block_bytes)")
-        self.members.refresh_liveness()
-        capacity = self.members.capacity_bytes()
-        if not capacity:
-            raise Unavailable("no live chunkservers to place blocks on")
-        spans = layout.chunks(self.cfg.chunk_size)
         parent_row = None
         if parent:
             (parent_row,) = self.blocks.live_rows([namespace_digest + parent])
@@ -264,6 +261,12 @@ class Allocations:
                 raise InvalidArgument(f"block layout {layout} differs from the layout of parent block "
                                       f"{parent.hex()[:16]}: a prompt's blocks share one layout")
         slot = hash_slot_of(keys[0], parent, parent_row, first_key) if keys else 0
+        self.check_slot(slot)
+        self.members.refresh_liveness()
+        capacity = self.members.capacity_bytes()
+        if not capacity:
+            raise Unavailable("no live chunkservers to place blocks on")
+        spans = layout.chunks(self.cfg.chunk_size)
         alloc_id = os.urandom(16)
         # its parent and keys pinned from here on: eviction between the steps below must not take a
         # block found present (the reply tells the writer not to write it)
@@ -386,6 +389,7 @@ class Allocations:
             raise FailedPrecondition("allocation belongs to another namespace")
         if alloc.committing:
             raise Aborted("another CommitBlocks of this allocation is under way")
+        self.check_slot(alloc.record.hash_slot)  # the slot may have moved since it was allocated
         ttl_class = req.ttl_class or self.cfg.default_ttl_class
         if ttl_class not in self.blocks.ttls:
             raise InvalidArgument(f"unknown TTL class {ttl_class!r}; known: {', '.join(self.blocks.ttls)}")

@@ -7,6 +7,7 @@ import dataclasses
 from kvfs.config import (KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, parse_size,
                          size_field)
 from kvfs.logs import log_format_option
+from kvfs.shards import Owner
 
 from .eviction import DEFAULT_POLICY, POLICIES
 
@@ -105,6 +106,20 @@ class MetaserverConfig:
     rebuild: bool = option(False, "rebuild block metadata from chunkserver inventories after "
                            "servers register (see rebuild_after)")
     rebuild_after: float = duration_field(5.0, "with rebuild: wait this long for servers to register")
+    etcd: str = option("", "etcd endpoints (host:port, comma-separated) of a cluster of several metaservers: "
+                       "etcd holds the shard map of hash slots and each metaserver's lease, and this one answers "
+                       "only for the slots it holds (docs/operations.md); empty: the only metaserver, answering "
+                       "for every slot, no etcd")
+    cluster_name: str = option("kvfs", "with etcd: the cluster's name; its keys live under /kvfs/<name>/")
+    metaserver_id: str = option("", "with etcd: this metaserver's name in the shard map ([A-Za-z0-9._-], at most "
+                                "128); empty: its advertised address, ':' written '-'")
+    advertise: str = option("", "with etcd: the host:port workers and other metaservers reach this one at, as "
+                            "the shard map lists it; empty: the bound listen address")
+    lease_ttl: float = duration_field(6.0, "with etcd: this metaserver's lease; after a crash its slots move to "
+                                      "the others about this long later (whole seconds, at least 2; the same "
+                                      "on every metaserver of a cluster)")
+    expect_metaservers: int = option(1, "with etcd, in a new cluster (no shard map yet): wait for this many "
+                                     "metaservers before writing the first map over them")
     tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "
                          "signed (mutual TLS; `kvfs tls` makes one)")
     tls_cert: str = option("", "the metaserver's certificate (PEM): a server certificate with SANs for every host "
@@ -130,6 +145,19 @@ class MetaserverConfig:
             raise ValueError("replicas must be at least 1")
         if not 64 * KiB <= self.chunk_size <= 64 * MiB:
             raise ValueError("chunk_size must be between 64KiB and 64MiB")
+        if self.etcd:
+            for endpoint in self.etcd.split(","):
+                check_listen("etcd", endpoint.strip())
+            if not self.cluster_name or "/" in self.cluster_name:
+                raise ValueError(f"cluster_name is non-empty and has no '/', got {self.cluster_name!r}")
+            if self.metaserver_id:
+                Owner(self.metaserver_id, "x:1")  # ValueError on a bad id
+            if self.advertise:
+                check_listen("advertise", self.advertise)
+            if not 2 <= self.lease_ttl == int(self.lease_ttl):
+                raise ValueError(f"lease_ttl is whole seconds, at least 2; got {self.lease_ttl}")
+            if self.expect_metaservers < 1:
+                raise ValueError("expect_metaservers must be at least 1")
         if not 0.0 < self.evict_low <= self.evict_high <= 1.0:
             raise ValueError(f"watermarks need 0 < evict_low <= evict_high <= 1, got evict_low={self.evict_low} "
                              f"evict_high={self.evict_high}")

@@ -18,6 +18,7 @@ from .config import MetaserverConfig
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, StatusCollector
 from .readsfirst import CountsLookups
+from . import sharded
 from .repair import Repairer
 from .service import SERVICE, MetaServicer, add_to_server
 from .state import MetaState
@@ -50,8 +51,12 @@ async def serve(cfg: MetaserverConfig) -> None:
         ProcessCollector(registry=registry)
         metrics = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics.address)
+    # among several metaservers: it answers for the slots its lease on etcd holds, none before
+    shards = servicer.shards = sharded.among_several(cfg, address)
+    state.owns, state.members.share, state.allocations.check_slot = shards.owns, shards.share, shards.check
     frozen = freeze_startup_heap()
     await server.start()
+    await sharded.start(shards, cfg)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("metaserver serving on %s: data %s, replicas %d, chunk size %d, eviction %s from %.0f%% to %.0f%%; "
              "%d start-up objects frozen out of garbage collection", address, cfg.data_dir, cfg.replicas,
@@ -69,6 +74,8 @@ async def serve(cfg: MetaserverConfig) -> None:
     for t in tasks:
         t.cancel()
     await health_servicer.enter_graceful_shutdown()
+    if not shards.alone:
+        await shards.lease.stop()  # a clean stop: the others take its slots at once
     await server.stop(grace=2)
     if metrics:
         metrics.close()

@@ -69,6 +69,9 @@ class Membership:
         self.live_numbers: frozenset[int] = frozenset()
         self._entries: dict[int, bytes] = {}  # number -> its MatchPrefixReply.servers entry
         self.loop: LoopStats | None = None  # the event-loop watcher's counts, where one runs (watch())
+        # this metaserver's share of the servers' capacity: of the hash slots, where there are several
+        # metaservers placing on the same servers (sharded.Shards.share); all of it alone
+        self.share: Callable[[], float] = lambda: 1.0
         now = clock()
         for _, raw in db.scan(records.SERVER):
             rec = meta_pb2.ServerRecord.FromString(raw)
@@ -197,4 +200,5 @@ class Membership:
 
     def capacity_bytes(self) -> int:
         """What blocks may take of the live servers, per replica."""
-        return sum(s.record.capacity_bytes for s in self.live_servers().values()) // self.cfg.replicas
+        total = sum(s.record.capacity_bytes for s in self.live_servers().values()) // self.cfg.replicas
+        return total if (share := self.share()) == 1.0 else int(total * share)

@@ -12,16 +12,18 @@ from prometheus_client import CollectorRegistry
 
 from kvfs import tls
 from kvfs.auth import check_server_id, check_tenant, tenants_visible
-from kvfs.errors import InvalidArgument, PermissionDenied
+from kvfs.errors import InvalidArgument, PermissionDenied, Unavailable
 from kvfs.grants import parse_owner
-from kvfs.keys import Namespace
+from kvfs.keys import KEY_BYTES, Namespace
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.rpc import handles_errors
 from kvfs.serving import STALL_BOUNDS, LoopStats
+from kvfs.shards import hash_slot
 
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, timed
 from .repair import Repairer
+from .sharded import Shards
 from .state import MetaState
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,10 @@ def add_to_server(servicer: MetaServicer, server) -> None:
 
 class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     def __init__(self, state: MetaState, lifecycle: Lifecycle, loop: LoopStats | None = None,
-                 rpc_metrics: RpcMetrics | None = None, repairer: Repairer | None = None):
+                 rpc_metrics: RpcMetrics | None = None, repairer: Repairer | None = None,
+                 shards: Shards | None = None):
         self.state = state
+        self.shards = shards or Shards()  # every hash slot, unless among several metaservers
         self.lifecycle = lifecycle
         self.repairer = repairer  # None where none runs (tests of the servicer alone)
         self.loop = loop or LoopStats()
@@ -163,8 +167,27 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
     @handles_errors
     @timed
     async def MatchPrefix(self, request, context):
-        return self.state.match_bytes(namespace_digest(request.namespace, context), request.keys,
-                                      request.namespace.tenant, request.joined_keys)
+        # a prompt is in the hash slot of its first key (kvfs/shards.py)
+        first = request.joined_keys[:KEY_BYTES] if request.joined_keys else request.keys[0] if request.keys else b""
+        slot = hash_slot(first) if len(first) == KEY_BYTES else None  # a malformed key is refused below
+        if slot is not None:
+            self.shards.check(slot)
+        reply = self.state.match_bytes(namespace_digest(request.namespace, context), request.keys,
+                                       request.namespace.tenant, request.joined_keys)
+        if slot is not None:
+            self.shards.check(slot)  # a lease that lapsed while this ran lets no answer out
+        return reply
+
+    @handles_errors
+    async def ShardMap(self, request, context):
+        """The shard map this metaserver holds: empty alone (it answers for every slot)."""
+        if self.shards.alone:
+            return meta_pb2.ShardMapReply()
+        m = self.shards.map()
+        if m is None:
+            raise Unavailable(f"metaserver {self.shards.me.id} holds no shard map yet (starting, or cut off "
+                              f"from etcd); ask another metaserver")
+        return meta_pb2.ShardMapReply(map_json=m.to_json(), epoch=m.epoch)
 
     @handles_errors
     async def TenantKey(self, request, context):

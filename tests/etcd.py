@@ -30,6 +30,7 @@ class EtcdCluster:
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server; make test installs it)")
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)  # its logs
         # etcd fsyncs every write: on a busy disk that alone can outlast a short lease (each
         # member preallocates a 64 MB log: memory only where there is room for it)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 1 << 30 else None

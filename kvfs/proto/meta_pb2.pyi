@@ -465,3 +465,15 @@ class ServerRecord(_message.Message):
     data_address: str
     number: int
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+
+class ShardMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardMapReply(_message.Message):
+    __slots__ = ("map_json", "epoch")
+    MAP_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    map_json: str
+    epoch: int
+    def __init__(self, map_json: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

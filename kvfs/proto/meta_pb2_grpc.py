@@ -64,6 +64,11 @@ class MetaServiceStub:
                 request_serializer=meta__pb2.TenantKeyRequest.SerializeToString,
                 response_deserializer=meta__pb2.TenantKeyReply.FromString,
                 _registered_method=True)
+        self.ShardMap = channel.unary_unary(
+                '/kvfs.meta.MetaService/ShardMap',
+                request_serializer=meta__pb2.ShardMapRequest.SerializeToString,
+                response_deserializer=meta__pb2.ShardMapReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/kvfs.meta.MetaService/Status',
                 request_serializer=meta__pb2.StatusRequest.SerializeToString,
@@ -129,6 +134,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShardMap(self, request, context):
+        """Workers: which metaserver answers for which hash slot (kvfs/shards.py), where there are several.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Admin.
         """
@@ -187,6 +199,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.TenantKey,
                     request_deserializer=meta__pb2.TenantKeyRequest.FromString,
                     response_serializer=meta__pb2.TenantKeyReply.SerializeToString,
+            ),
+            'ShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardMap,
+                    request_deserializer=meta__pb2.ShardMapRequest.FromString,
+                    response_serializer=meta__pb2.ShardMapReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -371,6 +388,33 @@ class MetaService:
             '/kvfs.meta.MetaService/TenantKey',
             meta__pb2.TenantKeyRequest.SerializeToString,
             meta__pb2.TenantKeyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfs.meta.MetaService/ShardMap',
+            meta__pb2.ShardMapRequest.SerializeToString,
+            meta__pb2.ShardMapReply.FromString,
             options,
             channel_credentials,
             insecure,

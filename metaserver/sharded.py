@@ -1,0 +1,98 @@
+"""Which hash slots (kvfs/shards.py) this metaserver answers for, as its RPCs ask it.
+
+Alone (no `etcd` setting) a metaserver answers for every slot and nothing here talks
+to anyone. Among several, its coordination.SlotLease on etcd decides: a lookup, an
+allocation or a commit of a prompt in a slot it does not hold now is refused, with
+"moved" (FAILED_PRECONDITION, naming the holder in the trailing metadata) where its
+map gives the slot to another, and UNAVAILABLE where it cannot vouch for its map at
+all (cut off from etcd, or starting). The check is made again just before a reply
+goes out: a lease that lapsed while a call ran must not let that answer out.
+
+Its share of the cache is its share of the slots: every metaserver places chunks on
+the same chunkservers, so each evicts against that share of their capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvfs.errors import Moved, Unavailable
+from kvfs.shards import HASH_SLOTS, Owner, ShardMap
+
+from .config import MetaserverConfig
+
+log = logging.getLogger(__name__)
+
+
+def default_id(address: str) -> str:
+    """A metaserver's id from its advertised address ('10.0.0.5:7000' -> '10.0.0.5-7000')."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in address)[:128]
+
+
+class Shards:
+    """The RPCs' view of the slots. `lease` is None for a metaserver alone."""
+
+    def __init__(self, lease=None, me: Owner | None = None):
+        self.lease, self.me = lease, me
+        self._share = (None, 1.0)  # (the map it was counted from, this metaserver's share of the slots)
+
+    @property
+    def alone(self) -> bool:
+        return self.lease is None
+
+    def owns(self, slot: int) -> bool:
+        """Whether this metaserver answers for `slot` right now."""
+        return self.lease is None or self.lease.serves(slot)
+
+    def check(self, slot: int) -> None:
+        """Nothing if this metaserver answers for `slot` now; else Moved or Unavailable."""
+        if self.lease is None or self.lease.serves(slot):
+            return
+        m: ShardMap | None = self.lease.shard_map
+        if m is not None and self.lease.serving():
+            owner = m.owner_of(slot)
+            raise Moved(f"moved: hash slot {slot} is answered for by metaserver {owner.id} at {owner.address} "
+                        f"(shard map epoch {m.epoch}), not by {self.me.id}", slot, owner.address, m.epoch)
+        raise Unavailable(f"metaserver {self.me.id} answers for no hash slot now: it holds no confirmed lease and "
+                          f"shard map on etcd (starting, or cut off from etcd); ask again, or another metaserver")
+
+    def map(self) -> ShardMap | None:
+        return self.lease.shard_map if self.lease is not None else None
+
+    def share(self) -> float:
+        """This metaserver's share of the slots in the map it holds (1 alone; 0 while it holds none)."""
+        if self.lease is None:
+            return 1.0
+        m = self.lease.shard_map
+        if m is None or not self.lease.serving():
+            return 0.0
+        counted, share = self._share
+        if counted is not m:
+            share = m.counts().get(self.me.id, 0) / HASH_SLOTS
+            self._share = (m, share)
+        return share
+
+
+def among_several(cfg: MetaserverConfig, address: str) -> Shards:
+    """For a metaserver among several (cfg.etcd): its lease on etcd, not started (it
+    answers for nothing until `start`); a Shards over every slot where cfg.etcd is empty."""
+    if not cfg.etcd:
+        return Shards()
+    from .coordination import EtcdClient, SlotLease  # aetcd only where etcd is used
+
+    advertised = cfg.advertise or address
+    me = Owner(cfg.metaserver_id or default_id(advertised), advertised)
+    etcd = EtcdClient([e.strip() for e in cfg.etcd.split(",")])
+    return Shards(SlotLease(etcd, cfg.cluster_name, me, ttl=int(cfg.lease_ttl)), me)
+
+
+async def start(shards: Shards, cfg: MetaserverConfig) -> None:
+    """Joins the cluster on etcd: returns once the lease and the shard map are held."""
+    if shards.alone:
+        return
+    lease = shards.lease
+    await lease.etcd.connect()
+    await lease.start(create_over=cfg.expect_metaservers, deadline=max(30.0, 5 * cfg.lease_ttl))
+    log.info("metaserver %s at %s joined cluster %r on etcd %s: shard map epoch %d, %d of %d slots here",
+             shards.me.id, shards.me.address, cfg.cluster_name, cfg.etcd, lease.shard_map.epoch,
+             lease.shard_map.counts().get(shards.me.id, 0), HASH_SLOTS)

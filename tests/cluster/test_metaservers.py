@@ -1,0 +1,152 @@
+"""Several metaservers (issue 19): real kvfs-metaserver processes on three real etcd
+members split the hash slots (kvfs/shards.py), answer for their own, and send a
+caller asking for another's to its holder ("moved", with its address in the
+trailing metadata); a clean stop hands its slots to the other at once."""
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from kvfs.cli.launcher import start_metaserver
+from kvfs.errors import Moved, Unavailable, from_rpc_error
+from kvfs.keys import Namespace, block_keys
+from kvfs.proto import meta_pb2, meta_pb2_grpc
+from kvfs.shards import HASH_SLOTS, ShardMap, hash_slot
+
+from etcd import EtcdCluster
+from helpers import free_port, until
+
+NS = Namespace("t", "sharded")
+NS_MSG = meta_pb2.Namespace(tenant=NS.tenant, model=NS.model)
+LAYOUT_MSG = meta_pb2.BlockLayout(layers=2, block_tokens=4, kv_dim=8, dtype="bfloat16")
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    cluster = EtcdCluster(tmp_path / "etcd", 3)
+    yield cluster
+    cluster.stop()
+
+
+def metaserver_flags(etcd, name: str, expect: int = 2) -> list[str]:
+    return ["--insecure", "--etcd", ",".join(etcd.endpoints()), "--cluster-name", "t", "--metaserver-id", name,
+            "--expect-metaservers", str(expect), "--lease-ttl", "4"]
+
+
+async def start_metaservers(tmp_path, etcd, names):
+    """Started together: each waits for the others before the first map is written."""
+    return await asyncio.gather(*(asyncio.to_thread(start_metaserver, tmp_path / n / "data", run_dir=tmp_path / n,
+                                                    extra=metaserver_flags(etcd, n, len(names)), timeout=60)
+                                  for n in names))
+
+
+def prompt_in(owner_slots: set[int], seed: int) -> list[bytes]:
+    """The keys of a prompt whose first key's hash slot is in `owner_slots`."""
+    for s in range(seed, seed + 10_000):
+        keys = block_keys(NS, [s] * 16, 4)
+        if hash_slot(keys[0]) in owner_slots:
+            return keys
+    raise AssertionError("no such prompt in 10,000 tries")
+
+
+async def shard_map(stub) -> ShardMap:
+    reply = await stub.ShardMap(meta_pb2.ShardMapRequest(), timeout=10)
+    m = ShardMap.from_json(reply.map_json)
+    assert m.epoch == reply.epoch
+    return m
+
+
+async def refused(call, code) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    return info.value
+
+
+async def test_two_metaservers_split_the_slots_and_send_callers_to_the_holder(tmp_path, etcd):
+    servers = await start_metaservers(tmp_path, etcd, ["ms-a", "ms-b"])
+    channels = [grpc.aio.insecure_channel(s.address) for s in servers]
+    try:
+        a, b = (meta_pb2_grpc.MetaServiceStub(c) for c in channels)
+        m = await shard_map(a)
+        assert (await shard_map(b)).to_json() == m.to_json()  # one map, read by both
+        assert m.counts() == {"ms-a": HASH_SLOTS // 2, "ms-b": HASH_SLOTS // 2}
+        assert {o.id: o.address for o in m.owners} == {"ms-a": servers[0].address, "ms-b": servers[1].address}
+        mine = {"ms-a": set(m.slots_of("ms-a")), "ms-b": set(m.slots_of("ms-b"))}
+        in_a = prompt_in(mine["ms-a"], 0)
+
+        def lookup(keys):
+            return meta_pb2.MatchPrefixRequest(namespace=NS_MSG, joined_keys=b"".join(keys))
+
+        assert (await a.MatchPrefix(lookup(in_a), timeout=10)).matched == 0  # its own slot: answered
+        err = await refused(b.MatchPrefix(lookup(in_a), timeout=10), grpc.StatusCode.FAILED_PRECONDITION)
+        assert f"hash slot {hash_slot(in_a[0])} is answered for by metaserver ms-a" in err.details()
+        moved = from_rpc_error(err)  # what the SDK makes of it
+        assert isinstance(moved, Moved) and moved.address == servers[0].address and moved.epoch == m.epoch
+        # writes too: a prompt's first blocks, and a continuation naming its first key
+        alloc = b.AllocateBlocks(meta_pb2.AllocateBlocksRequest(namespace=NS_MSG, keys=in_a[:2], layout=LAYOUT_MSG),
+                                 timeout=10)
+        assert "moved" in (await refused(alloc, grpc.StatusCode.FAILED_PRECONDITION)).details()
+        alloc = b.AllocateBlocks(meta_pb2.AllocateBlocksRequest(
+            namespace=NS_MSG, keys=in_a[2:4], layout=LAYOUT_MSG, parent=in_a[1], first_key=in_a[0]), timeout=10)
+        assert "moved" in (await refused(alloc, grpc.StatusCode.FAILED_PRECONDITION)).details()
+        # the holder goes on to place them (and says it has no chunkservers, here)
+        alloc = a.AllocateBlocks(meta_pb2.AllocateBlocksRequest(namespace=NS_MSG, keys=in_a[:2], layout=LAYOUT_MSG),
+                                 timeout=10)
+        assert "no live chunkservers" in (await refused(alloc, grpc.StatusCode.UNAVAILABLE)).details()
+
+        # a clean stop revokes ms-a's lease: ms-b holds every slot soon after, in a newer map
+        await asyncio.to_thread(servers[0].stop)
+
+        async def all_at_b():
+            try:
+                return (await shard_map(b)).counts().get("ms-b") == HASH_SLOTS
+            except grpc.aio.AioRpcError:
+                return False
+
+        await until(all_at_b, timeout=30, what="ms-b holding every slot")
+        assert (await shard_map(b)).epoch > m.epoch
+        assert (await b.MatchPrefix(lookup(in_a), timeout=10)).matched == 0  # nothing of ms-a's here: not cached
+    finally:
+        for c in channels:
+            await c.close()
+        for s in servers:
+            s.stop()
+
+
+async def test_a_metaserver_answers_for_nothing_until_it_holds_its_lease(tmp_path, etcd):
+    # it waits for a second metaserver that never comes: no map is written, so nothing is answered
+    port = free_port()
+    log = open(tmp_path / "ms-a.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvfs.metaserver", "--data-dir", str(tmp_path / "data"),
+                             "--listen", f"127.0.0.1:{port}", *metaserver_flags(etcd, "ms-a", expect=2)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = meta_pb2_grpc.MetaServiceStub(channel)
+            keys = block_keys(NS, [1] * 8, 4)
+
+            async def answered():
+                try:
+                    await stub.MatchPrefix(meta_pb2.MatchPrefixRequest(namespace=NS_MSG, keys=keys), timeout=2)
+                    return "answered"
+                except grpc.aio.AioRpcError as err:
+                    return err if err.code() != grpc.StatusCode.UNAVAILABLE or "answers for no hash slot" in \
+                        err.details() else None  # None: not listening yet
+
+            outcome = await until(answered, timeout=30, what="the metaserver listening")
+            assert isinstance(outcome, grpc.aio.AioRpcError), outcome  # never an answer
+            assert outcome.code() == grpc.StatusCode.UNAVAILABLE
+            assert isinstance(from_rpc_error(outcome), Unavailable)
+            err = await refused(stub.ShardMap(meta_pb2.ShardMapRequest(), timeout=5), grpc.StatusCode.UNAVAILABLE)
+            assert "holds no shard map yet" in err.details()
+            err = await refused(stub.AllocateBlocks(meta_pb2.AllocateBlocksRequest(
+                namespace=NS_MSG, keys=keys[:1], layout=LAYOUT_MSG), timeout=5), grpc.StatusCode.UNAVAILABLE)
+            assert "answers for no hash slot" in err.details()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
