@@ -10,23 +10,21 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from kvfs import tls
 from kvfs.buffers import PAGE, AlignedBuffers, byte_view
 from kvfs.config import MiB
-from kvfs.errors import InvalidArgument, KvfsError, Unavailable, from_rpc_error
+from kvfs.errors import InvalidArgument, KvfsError, Unavailable
 from kvfs.grants import owner_record
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
-from kvfs.proto import meta_pb2, meta_pb2_grpc
-from kvfs.rpc import CHANNEL_OPTIONS
+from kvfs.proto import meta_pb2
 
 from .chunks import ChunkClient, chunk_checksum
 from .config import resolve_credentials
 from .metrics import ClientMetrics
 from .hedge import HedgeBudget, ServerBacklog, ServerLatency
 from .restore import Restore, RestoreStats
+from .routing import MetaRouter
 from .transport import DataWriter, GrpcTransport, ServerInfo, ShmTransport, TcpTransport, Transport, is_local
 
 TRANSPORTS = ("auto", "grpc", "tcp", "shm")
@@ -96,6 +94,10 @@ class Client:
     >>> async for layer in restore: ...                      # layers arrive in order
     >>> await client.write(ns, token_ids, kv, layout)        # allocate, write replicas, commit
 
+    `metaserver` is its address, or where there are several, some of their addresses
+    (comma-separated): the client reads their shard map and sends each prompt's
+    calls to the metaserver holding its hash slot (routing.py).
+
     Buffers (`out` for reads, `payload` for writes) are laid out
     `[layer][tokens][kv_dim]` in the cache dtype: a bytearray, mmap, numpy array
     or contiguous CPU torch tensor (see BufferPool for pinned ones).
@@ -152,8 +154,7 @@ class Client:
         self.read_batch = read_batch
         self.write_concurrency = write_concurrency
         self.timeout = timeout
-        self._channel = tls.aio_channel(metaserver, self.credentials, CHANNEL_OPTIONS)
-        self._meta = meta_pb2_grpc.MetaServiceStub(self._channel)
+        self.router = MetaRouter(metaserver, self.credentials, timeout)  # which metaserver to ask
         self._chunk_clients: dict[str, ChunkClient] = {}
         self._tenant_keys: dict[str, bytes] = {}
         self.hedge = hedge
@@ -165,7 +166,7 @@ class Client:
             await t.close()
         for c in self._chunk_clients.values():
             await c.close()
-        await self._channel.close()
+        await self.router.close()
 
     async def __aenter__(self) -> Client:
         return self
@@ -191,18 +192,17 @@ class Client:
             return self._transports["shm"]
         return self._transports["tcp"]
 
-    async def _meta_call(self, method, request):
-        try:
-            return await method(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err, f"metaserver {self.metaserver}") from None
+    async def _meta_call(self, name: str, request, first_key: bytes | None = None):
+        """MetaService method `name` at the metaserver holding the prompt that starts
+        with `first_key` (routing.py; None: any); a typed error if it fails."""
+        return await self.router.call(name, request, first_key)
 
     async def tenant_key(self, tenant: str) -> bytes:
         """The secret `tenant`'s block keys chain under, from the metaserver (once per
         tenant and client; empty on an --insecure cluster)."""
         key = self._tenant_keys.get(tenant)
         if key is None:
-            reply = await self._meta_call(self._meta.TenantKey, meta_pb2.TenantKeyRequest(tenant=tenant))
+            reply = await self._meta_call("TenantKey", meta_pb2.TenantKeyRequest(tenant=tenant))
             key = self._tenant_keys[tenant] = reply.key
         return key
 
@@ -218,8 +218,8 @@ class Client:
         written under the same `salt` (kvfs.keys.Namespace.root_key)."""
         keys = await self.keys(namespace, token_ids, salt=salt)
         t0 = time.perf_counter()
-        reply = await self._meta_call(self._meta.MatchPrefix,
-                                      meta_pb2.MatchPrefixRequest(namespace=_ns(namespace), joined_keys=b"".join(keys)))
+        reply = await self._meta_call("MatchPrefix", meta_pb2.MatchPrefixRequest(
+            namespace=_ns(namespace), joined_keys=b"".join(keys)), keys[0] if keys else None)
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.looked_up(len(keys), reply.matched, seconds)
@@ -287,9 +287,9 @@ class Client:
                                   f"{tokens}-token buffer need {layout.buffer_bytes(tokens)}")
         if first_block >= len(keys):
             return WriteResult(0, 0, 0, 0.0)
-        alloc = await self._meta_call(self._meta.AllocateBlocks, meta_pb2.AllocateBlocksRequest(
+        alloc = await self._meta_call("AllocateBlocks", meta_pb2.AllocateBlocksRequest(
             namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout),
-            parent=keys[first_block - 1] if first_block else b"", first_key=keys[0]))
+            parent=keys[first_block - 1] if first_block else b"", first_key=keys[0]), keys[0])
         limit = asyncio.Semaphore(self.write_concurrency)
         commit = meta_pb2.CommitBlocksRequest(namespace=_ns(namespace), allocation_id=alloc.allocation_id,
                                               ttl_class=ttl_class)
@@ -317,7 +317,7 @@ class Client:
                 raise type(err)(f"write-back of {len(commit.blocks)} blocks failed, nothing committed: "
                                 f"{err.message}")
             raise err
-        reply = await self._meta_call(self._meta.CommitBlocks, commit)
+        reply = await self._meta_call("CommitBlocks", commit, keys[0])  # where it was allocated
         already = sum(b.already_present for b in alloc.blocks) + reply.already_present
         return WriteResult(reply.committed, already, written, time.perf_counter() - t0)
 
@@ -373,7 +373,7 @@ class Client:
 
     async def status(self) -> meta_pb2.StatusReply:
         """Servers, liveness, capacity, blocks and bytes, as the metaserver sees them."""
-        return await self._meta_call(self._meta.Status, meta_pb2.StatusRequest())
+        return await self._meta_call("Status", meta_pb2.StatusRequest())
 
 
 class SyncClient:

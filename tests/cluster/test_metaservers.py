@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from kvfs.cli.launcher import start_metaserver
+from kvfs.client import Client
 from kvfs.errors import Moved, Unavailable, from_rpc_error
 from kvfs.keys import Namespace, block_keys
 from kvfs.proto import meta_pb2, meta_pb2_grpc
@@ -43,13 +44,17 @@ async def start_metaservers(tmp_path, etcd, names):
                                   for n in names))
 
 
+def tokens_in(owner_slots: set[int], seed: int) -> list[int]:
+    """The tokens of a 4-block prompt whose first key's hash slot is in `owner_slots`."""
+    for s in range(seed, seed + 10_000):
+        if hash_slot(block_keys(NS, [s] * 16, 4)[0]) in owner_slots:
+            return [s] * 16
+    raise AssertionError("no such prompt in 10,000 tries")
+
+
 def prompt_in(owner_slots: set[int], seed: int) -> list[bytes]:
     """The keys of a prompt whose first key's hash slot is in `owner_slots`."""
-    for s in range(seed, seed + 10_000):
-        keys = block_keys(NS, [s] * 16, 4)
-        if hash_slot(keys[0]) in owner_slots:
-            return keys
-    raise AssertionError("no such prompt in 10,000 tries")
+    return block_keys(NS, tokens_in(owner_slots, seed), 4)
 
 
 async def shard_map(stub) -> ShardMap:
@@ -69,6 +74,7 @@ async def refused(call, code) -> grpc.aio.AioRpcError:
 async def test_two_metaservers_split_the_slots_and_send_callers_to_the_holder(tmp_path, etcd):
     servers = await start_metaservers(tmp_path, etcd, ["ms-a", "ms-b"])
     channels = [grpc.aio.insecure_channel(s.address) for s in servers]
+    client = None
     try:
         a, b = (meta_pb2_grpc.MetaServiceStub(c) for c in channels)
         m = await shard_map(a)
@@ -98,6 +104,12 @@ async def test_two_metaservers_split_the_slots_and_send_callers_to_the_holder(tm
                                  timeout=10)
         assert "no live chunkservers" in (await refused(alloc, grpc.StatusCode.UNAVAILABLE)).details()
 
+        # the SDK, told of ms-b only, reads the map and asks each prompt's holder
+        client = Client(servers[1].address, insecure=True, block_tokens=4)
+        for tokens in (tokens_in(mine["ms-a"], 0), tokens_in(mine["ms-b"], 0)):
+            assert (await client.lookup(NS, tokens)).matched == 0
+        assert client.router.refreshes == 1 and client.router.map.epoch == m.epoch
+
         # a clean stop revokes ms-a's lease: ms-b holds every slot soon after, in a newer map
         await asyncio.to_thread(servers[0].stop)
 
@@ -110,7 +122,12 @@ async def test_two_metaservers_split_the_slots_and_send_callers_to_the_holder(tm
         await until(all_at_b, timeout=30, what="ms-b holding every slot")
         assert (await shard_map(b)).epoch > m.epoch
         assert (await b.MatchPrefix(lookup(in_a), timeout=10)).matched == 0  # nothing of ms-a's here: not cached
+        # the SDK's map still sends ms-a's prompts to ms-a, which is gone: it reads the map again
+        assert (await client.lookup(NS, tokens_in(mine["ms-a"], 0))).matched == 0
+        assert client.router.refreshes == 2 and client.router.map.counts() == {"ms-b": HASH_SLOTS}
     finally:
+        if client is not None:
+            await client.close()
         for c in channels:
             await c.close()
         for s in servers:
