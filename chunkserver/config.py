@@ -50,7 +50,8 @@ class ChunkserverConfig:
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")
-    meta: str = option("", "metaserver host:port to register with (empty: standalone)")
+    meta: str = option("", "metaserver host:port to register with; where several metaservers share the hash "
+                       "slots, every one of them, comma-separated (empty: standalone)")
     advertise: str = option("", "address clients use to reach this server (default: the bound one)")
     tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "
                          "signed (mutual TLS; `kvfs tls` makes one)")

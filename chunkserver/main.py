@@ -16,7 +16,7 @@ from kvfs.serving import (MetricsServer, add_introspection, bound_address, clust
 from .config import ChunkserverConfig
 from .dataport import start_data_server
 from .health import Readiness
-from .membership import heartbeat_forever
+from .membership import Metaservers, heartbeat_forever, metaserver_addresses
 from .metrics import ChunkMetrics, StoreCollector
 from .scrub import Scrubber
 from .service import ChunkServicer
@@ -65,8 +65,9 @@ async def serve(cfg: ChunkserverConfig) -> None:
              "%d start-up objects frozen out of garbage collection", cfg.id, cfg.failure_domain, address,
              data_address or "off", cfg.data_dir, cfg.capacity, store.reader.name, store.io_mode, frozen)
     write_ready_file(cfg.ready_file, address, metrics_server.address if metrics_server else "")
-    beats = (asyncio.create_task(heartbeat_forever(cfg, store, advertised, data_address, creds,
-                                                   readiness.set_registered)) if cfg.meta else None)
+    metaservers = Metaservers(metaserver_addresses(cfg.meta), store, readiness.set_registered)
+    beats = [asyncio.create_task(heartbeat_forever(cfg, meta, metaservers, advertised, data_address, creds))
+             for meta in metaservers.addresses]
     publishing = asyncio.create_task(readiness.publish_forever())
     scrubbing = asyncio.create_task(scrubber.run_forever())
     # the data path is the data port's threads: a coarse tick here is enough, and costs
@@ -76,8 +77,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     watching.cancel()
     publishing.cancel()  # before the shutdown's NOT_SERVING, which nothing may undo
     log.info("chunkserver %s stopping", cfg.id)
-    if beats:
-        beats.cancel()
+    for beat in beats:
+        beat.cancel()
     scrubber.stop()
     await scrubbing
     await health_servicer.enter_graceful_shutdown()

@@ -20,13 +20,48 @@ log = logging.getLogger(__name__)
 MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the next beats
 
 
-async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: str, data_address: str,
-                            creds: tls.Credentials | None,
-                            on_registered: Callable[[bool], None] = lambda registered: None) -> None:
-    """Registers (retrying until the metaserver answers) and heartbeats for ever,
-    as the server its certificate names; `on_registered` hears when it registered
-    and when the metaserver asks it to register again."""
-    async with tls.aio_channel(cfg.meta, creds) as channel:
+class Metaservers:
+    """The metaservers this server registers with (one; or, where several share the
+    hash slots, every one of them), and what they have heard: it counts as registered
+    once every one knows it, and a lost chunk is forgotten once every one heard of it
+    (the chunk's slot is one metaserver's; which one, this server does not know)."""
+
+    def __init__(self, addresses: list[str], store: ChunkStore,
+                 on_registered: Callable[[bool], None] = lambda registered: None):
+        self.addresses, self.store, self.on_registered = addresses, store, on_registered
+        self._registered: set[str] = set()
+        self._heard: dict[bytes, set[str]] = {}  # lost chunk -> the metaservers that heard of it
+
+    def registered(self, address: str, yes: bool) -> None:
+        (self._registered.add if yes else self._registered.discard)(address)
+        self.on_registered(len(self._registered) == len(self.addresses))
+
+    async def heard_lost(self, address: str, chunk_ids: list[bytes]) -> int:
+        """`address` acknowledged these lost chunks; forgets those all have. How many."""
+        done = []
+        for c in chunk_ids:
+            heard = self._heard.setdefault(c, set())
+            heard.add(address)
+            if len(heard) == len(self.addresses):
+                done.append(c)
+                del self._heard[c]
+        if done:
+            await self.store.forget_lost(done)
+        return len(done)
+
+
+def metaserver_addresses(meta: str) -> list[str]:
+    """The `meta` setting: host:port, or several comma-separated."""
+    return [a.strip() for a in meta.split(",") if a.strip()]
+
+
+async def heartbeat_forever(cfg: ChunkserverConfig, meta: str, metaservers: Metaservers, address: str,
+                            data_address: str, creds: tls.Credentials | None) -> None:
+    """Registers with metaserver `meta` (retrying until it answers) and heartbeats
+    for ever, as the server its certificate names; `metaservers` hears when it
+    registered, when `meta` asks it to register again, and which lost chunks it heard of."""
+    store = metaservers.store
+    async with tls.aio_channel(meta, creds) as channel:
         stub = meta_pb2_grpc.MetaServiceStub(channel)
         interval, registered, failures = 1.0, False, 0
         while True:
@@ -36,8 +71,8 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                         server_id=cfg.id, address=address, failure_domain=cfg.failure_domain,
                         capacity_bytes=cfg.capacity, data_address=data_address), timeout=10)
                     interval, registered = reply.heartbeat_interval_s or interval, True
-                    on_registered(True)
-                    log.info("registered with metaserver %s as %s (%s)", cfg.meta, cfg.id, address)
+                    metaservers.registered(meta, True)
+                    log.info("registered with metaserver %s as %s (%s)", meta, cfg.id, address)
                 stat = store.stat()
                 lost = store.lost_chunks(MAX_LOST_PER_BEAT)
                 reply = await stub.Heartbeat(meta_pb2.HeartbeatRequest(
@@ -46,16 +81,16 @@ async def heartbeat_forever(cfg: ChunkserverConfig, store: ChunkStore, address: 
                     lost_chunks=[meta_pb2.LostChunk(chunk_id=c, owner=o) for c, o in lost]), timeout=10)
                 if reply.register_again:
                     registered = False
-                    on_registered(False)
+                    metaservers.registered(meta, False)
                     continue
                 if lost:  # kept until now: a heartbeat that failed is sent again with them
-                    await store.forget_lost([c for c, _ in lost])
-                    log.info("reported %d lost chunks to metaserver %s", len(lost), cfg.meta)
+                    await metaservers.heard_lost(meta, [c for c, _ in lost])
+                    log.info("reported %d lost chunks to metaserver %s", len(lost), meta)
                 if failures:
-                    log.info("metaserver %s reachable again", cfg.meta)
+                    log.info("metaserver %s reachable again", meta)
                 failures = 0
             except grpc.aio.AioRpcError as err:
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
-                    log.warning("metaserver %s: %s (%s); retrying", cfg.meta, err.code().name, err.details())
+                    log.warning("metaserver %s: %s (%s); retrying", meta, err.code().name, err.details())
             await asyncio.sleep(interval)

@@ -276,18 +276,20 @@ class Lifecycle:
             except Exception:
                 log.exception("flush round failed")
 
-    async def rebuild(self) -> meta_pb2.RebuildReply:
-        """Reconstructs committed blocks from the live servers' inventories: every chunk
-        found is staged in RocksDB under its block (a page at a time), then the staged
-        blocks are restored a slice at a time, so memory and each turn on the event
-        loop stay bounded whatever the size of the inventories."""
+    async def rebuild(self, slots: set[int] | None = None) -> meta_pb2.RebuildReply:
+        """Reconstructs committed blocks from the live servers' inventories (of the hash
+        `slots` only, if given: those a metaserver took over): every chunk found is
+        staged in RocksDB under its block (a page at a time), then the staged blocks are
+        restored a slice at a time, so memory and each turn on the event loop stay
+        bounded whatever the size of the inventories."""
         async with self._lock:
+            t0 = time.monotonic()
             self.state.rebuild_begin()
             seen = 0
             for sid in self.state.live_servers():
                 async for page in self._inventory_pages(sid):
                     async with self.turn():
-                        self.state.rebuild_stage(sid, page)
+                        self.state.rebuild_stage(sid, page, slots)
                     seen += len(page)
             restored = incomplete = 0
             while True:
@@ -296,7 +298,9 @@ class Lifecycle:
                 if not r and not i:
                     break
                 restored, incomplete = restored + r, incomplete + i
-            log.info("rebuild: %d chunks seen, %d blocks restored, %d incomplete", seen, restored, incomplete)
+            log.info("rebuild%s: %d chunks seen, %d blocks restored, %d incomplete, in %.1f s",
+                     f" of {len(slots)} hash slots" if slots is not None else "", seen, restored, incomplete,
+                     time.monotonic() - t0)
             if self.state.forged_owners:
                 log.warning("rebuild: ignored %d chunks whose owner records the metaserver did not seal (written "
                             "outside an allocation, or under another cluster key)", self.state.forged_owners)

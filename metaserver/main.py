@@ -54,6 +54,22 @@ async def serve(cfg: MetaserverConfig) -> None:
     # among several metaservers: it answers for the slots its lease on etcd holds, none before
     shards = servicer.shards = sharded.among_several(cfg, address)
     state.owns, state.members.share, state.allocations.check_slot = shards.owns, shards.share, shards.check
+    rebuilds: set[asyncio.Task] = set()
+
+    async def rebuild(slots: set[int]) -> None:
+        try:
+            await lifecycle.rebuild(slots)
+        except Exception:  # their orphans stay uncollected (the safe side) until a restart
+            log.exception("rebuilding %d hash slots taken over failed", len(slots))
+        else:
+            shards.rebuilt(slots)
+
+    def rebuild_taken(slots: set[int]) -> None:  # a dead metaserver's slots, from the chunkservers
+        task = asyncio.create_task(rebuild(slots))
+        rebuilds.add(task)
+        task.add_done_callback(rebuilds.discard)
+
+    shards.on_gain = rebuild_taken
     frozen = freeze_startup_heap()
     await server.start()
     await sharded.start(shards, cfg)
@@ -71,7 +87,7 @@ async def serve(cfg: MetaserverConfig) -> None:
         tasks.append(asyncio.create_task(_rebuild_later(lifecycle, cfg.rebuild_after)))
     await until_signalled()
     log.info("metaserver stopping")
-    for t in tasks:
+    for t in [*tasks, *rebuilds]:
         t.cancel()
     await health_servicer.enter_graceful_shutdown()
     if not shards.alone:

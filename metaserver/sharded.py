@@ -15,6 +15,7 @@ the same chunkservers, so each evicts against that share of their capacity.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvfs.errors import Moved, Unavailable
 from kvfs.shards import HASH_SLOTS, Owner, ShardMap
@@ -35,14 +36,42 @@ class Shards:
     def __init__(self, lease=None, me: Owner | None = None):
         self.lease, self.me = lease, me
         self._share = (None, 1.0)  # (the map it was counted from, this metaserver's share of the slots)
+        # hears the slots each new map gives this metaserver that the one before did not (taken
+        # from a metaserver that died or left): the blocks there are rebuilt from the chunkservers
+        self.on_gain: Callable[[set[int]], None] = lambda slots: None
+        self._held: set[int] | None = None  # the slots of the last map read; None before the first
+        self.rebuilding: set[int] = set()  # slots taken over whose rebuild has not finished
+        if lease is not None:
+            lease.on_map = self._on_map
+
+    def _on_map(self, m: ShardMap) -> None:
+        mine = set(m.slots_of(self.me.id)) if any(o.id == self.me.id for o in m.owners) else set()
+        held, self._held = self._held, mine
+        if held is None:
+            return
+        if lost := held - mine:
+            log.info("metaserver %s no longer answers for %d hash slots (shard map epoch %d)", self.me.id, len(lost),
+                     m.epoch)
+        if gained := mine - held:
+            log.info("metaserver %s now answers for %d more hash slots (shard map epoch %d): rebuilding their "
+                     "blocks from the chunkservers; meanwhile their lookups find nothing cached", self.me.id,
+                     len(gained), m.epoch)
+            self.rebuilding |= gained
+            self.on_gain(gained)
+
+    def rebuilt(self, slots: set[int]) -> None:
+        """The rebuild of these slots is done: their blocks are known here now."""
+        self.rebuilding -= slots
 
     @property
     def alone(self) -> bool:
         return self.lease is None
 
     def owns(self, slot: int) -> bool:
-        """Whether this metaserver answers for `slot` right now."""
-        return self.lease is None or self.lease.serves(slot)
+        """Whether this metaserver answers for `slot` right now, and knows its blocks:
+        a slot taken over is not until its rebuild is done. Orphan GC and stale-copy
+        deletion go by this: until then, a chunk there is not known garbage."""
+        return self.lease is None or (self.lease.serves(slot) and slot not in self.rebuilding)
 
     def check(self, slot: int) -> None:
         """Nothing if this metaserver answers for `slot` now; else Moved or Unavailable."""

@@ -556,17 +556,19 @@ class MetaState:
         """Forgets what an earlier rebuild staged and did not finish."""
         self.db.db.delete_range(records.STAGED, records.STAGED + b"\xff")
 
-    def rebuild_stage(self, server_id: str, chunks) -> int:
+    def rebuild_stage(self, server_id: str, chunks, slots: set[int] | None = None) -> int:
         """Stages chunks (ListChunks entries) a rebuild found on a server, each under its
         block, so that the blocks can then be restored a slice at a time. Returns
         chunks staged (those without an owner record naming a block, or naming a hash slot
-        this metaserver does not answer for, are skipped)."""
+        this metaserver does not answer for, or outside `slots` if given: slots taken
+        over, which it answers for but does not own until rebuilt, are skipped)."""
         server = self.servers[server_id].number
         batch = Batch()
         n = 0
         for info in chunks:
             owner = parse_owner(info.owner)
-            if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF or not self.owns(owner.hash_slot):
+            if owner is None or not owner.block_key or owner.chunk_index > 0xFFFF or \
+                    (owner.hash_slot not in slots if slots is not None else not self.owns(owner.hash_slot)):
                 continue
             if self.key and not owner_sealed(self.key, owner, info.chunk_id):
                 self.forged_owners += 1  # not an owner record this metaserver issued for this chunk
