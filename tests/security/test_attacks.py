@@ -193,3 +193,17 @@ async def test_a_method_without_a_rule_is_refused_to_everyone(who, tmp_path):
                 assert "no access rule" in err.details()
     finally:
         await server.stop(None)
+
+
+async def test_the_shard_map_is_given_to_workers_and_admins_only(cluster, who):
+    # ShardMap (several metaservers' slots; a lone metaserver answers with none): a server
+    # identity has no use for it and is refused, from a raw stub, while workers are served
+    async with tls.aio_channel(cluster.meta_address, who.rogue_server) as channel:
+        err = await refused(meta_pb2_grpc.MetaServiceStub(channel).ShardMap(meta_pb2.ShardMapRequest(), timeout=10),
+                            grpc.StatusCode.PERMISSION_DENIED)
+        assert "rogue" in err.details() and "may not call" in err.details()
+    for creds in (who.worker_a, who.admin):
+        async with tls.aio_channel(cluster.meta_address, creds) as channel:
+            reply = await meta_pb2_grpc.MetaServiceStub(channel).ShardMap(meta_pb2.ShardMapRequest(), timeout=10)
+        assert reply.map_json == "" and reply.epoch == 0  # alone: every slot is its own
+    await write_and_restore(cluster, who.worker_a, NS_A, seed=7)  # the SDK routes through it, as before
