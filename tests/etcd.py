@@ -26,10 +26,11 @@ def _die_with_parent() -> None:
 class EtcdCluster:
     """`size` etcd processes forming one cluster; `stop` kills them all."""
 
-    def __init__(self, root: pathlib.Path, size: int = 3):
+    def __init__(self, root: pathlib.Path, size: int = 3, host: str = "127.0.0.1"):
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server; make test installs it)")
         self.root = root
+        self.host = host  # where clients reach the members (also on 127.0.0.1); peers talk on 127.0.0.1
         root.mkdir(parents=True, exist_ok=True)  # its logs
         # etcd fsyncs every write: on a busy disk that alone can outlast a short lease (each
         # member preallocates a 64 MB log: memory only where there is room for it)
@@ -49,11 +50,13 @@ class EtcdCluster:
 
     def _start(self, initial: str, peer: dict[str, int]) -> None:
         for n in self.names:
-            client = f"http://127.0.0.1:{self.client_ports[n]}"
+            client = f"http://{self.host}:{self.client_ports[n]}"
+            local = f"http://127.0.0.1:{self.client_ports[n]}"
             log = open(self.root / f"etcd-{n}.log", "wb")
             self.procs[n] = subprocess.Popen(
                 ["etcd", "--name", n, "--data-dir", str(self.data / n),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-client-urls", client if client == local else f"{local},{client}",
+                 "--advertise-client-urls", client,
                  "--listen-peer-urls", f"http://127.0.0.1:{peer[n]}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer[n]}",
                  "--initial-cluster", initial, "--initial-cluster-state", "new",
@@ -64,7 +67,7 @@ class EtcdCluster:
         wait_until(lambda: all(self.healthy(n) for n in self.names), timeout=30, what="etcd members healthy")
 
     def endpoint(self, name: str) -> str:
-        return f"127.0.0.1:{self.client_ports[name]}"
+        return f"{self.host}:{self.client_ports[name]}"
 
     def endpoints(self, *names: str) -> list[str]:
         return [self.endpoint(n) for n in (names or self.names)]
