@@ -317,6 +317,7 @@ class SlotLease:
         if self._joins != joins:  # rejoined meanwhile: the map read may predate the new member key
             return
         self._confirmed = True
+        await bounded(self._readdress(), timeout=deadline)
         await bounded(self._take_over(), timeout=deadline)
 
     async def _read_map(self) -> bool:
@@ -367,6 +368,21 @@ class SlotLease:
                 continue
             out[owner.id] = owner.address
         return out
+
+    async def _readdress(self) -> None:
+        """Writes this metaserver's address into the map where the map still lists
+        another for it (it came back on a new address: clients route by the map).
+        Its slots stay where they are."""
+        m = self.shard_map
+        if m is None or not any(o.id == self.me.id and o.address != self.me.address for o in m.owners):
+            return
+        fresh = ShardMap(m.epoch + 1, [self.me if o.id == self.me.id else o for o in m.owners], m.slots)
+        t = self.etcd.transactions
+        ok, _ = await self.etcd.transaction(compare=[t.mod(self.map_key) == self.map_revision],
+                                            success=[t.put(self.map_key, fresh.to_json().encode())], failure=[])
+        if ok:
+            log.info("shard map: %s is at %s now: epoch %d", self.me.id, self.me.address, fresh.epoch)
+        await self._read_map()
 
     async def _take_over(self) -> None:
         """Gives the slots of owners whose member key is gone (lease expired) to the

@@ -171,6 +171,23 @@ async def test_a_stopped_lease_started_again_reads_the_map_before_answering(etcd
         assert a.shard_map.epoch == b.shard_map.epoch and not any(a.serves(s) for s in range(HASH_SLOTS))
 
 
+async def test_a_metaserver_back_on_another_address_writes_it_into_the_map_and_keeps_its_slots(etcd):
+    async with started(lease(etcd, "m0"), lease(etcd, "m1")) as (a, b):
+        before = a.shard_map
+        await a.stop()  # a clean stop; back well within a TTL, so m1 takes nothing
+        moved = SlotLease(EtcdClient(etcd.endpoints(), timeout=2), "test", Owner("m0", "m0.elsewhere:7100"), ttl=4)
+        try:
+            await moved.start()
+            await until(lambda: b.shard_map.epoch > before.epoch, timeout=15, what="m1 reading the new map")
+            m = moved.shard_map
+            assert m == b.shard_map and m.epoch == before.epoch + 1
+            assert {o.id: o.address for o in m.owners} == {"m0": "m0.elsewhere:7100", "m1": "m1.example:7000"}
+            assert m.slots == before.slots  # the same slots, at the new address
+            assert moved.serves(m.slots_of("m0")[0])
+        finally:
+            await stop_all(moved)
+
+
 async def test_a_frozen_endpoint_is_left_for_another(etcd):
     a = lease(etcd, "m0", "e0", "e1", "e2")
     try:
