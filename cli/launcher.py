@@ -16,10 +16,14 @@ import contextlib
 import functools
 import os
 import pathlib
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -200,16 +204,59 @@ def start_chunkserver(data_dir: str | os.PathLike, *, server_id: str = "cs-1",
 def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0", replicas: int | None = None,
                      extra: list[str] | None = None, run_dir: str | os.PathLike | None = None,
                      timeout: float = 30, env: dict[str, str] | None = None,
-                     netns: str | None = None, ca: LocalCA | None = None) -> ServerProcess:
+                     netns: str | None = None, ca: LocalCA | None = None, name: str = "metaserver") -> ServerProcess:
     """Starts `kvfs-metaserver` in its own process; returns once it serves (TLS as
-    start_chunkserver's)."""
+    start_chunkserver's). `name` names its log and ready file (several in one run folder)."""
     data_dir = pathlib.Path(data_dir)
     run_dir = pathlib.Path(run_dir) if run_dir else data_dir.parent
     args = ["--data-dir", str(data_dir), "--listen", listen]
     if replicas is not None:
         args += ["--replicas", str(replicas)]
-    args, creds = _secure("metaserver", args + (extra or []), listen, ca, run_dir)
-    return start_server("metaserver", "kvfs.metaserver", args, run_dir, timeout, env, netns, creds)
+    args, creds = _secure(name, args + (extra or []), listen, ca, run_dir)
+    return start_server(name, "kvfs.metaserver", args, run_dir, timeout, env, netns, creds)
+
+
+def _loopback_ports(n: int) -> list[int]:
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeout: float = 30) -> ServerProcess:
+    """One etcd member on loopback (Debian's etcd-server), for a local cluster of
+    several metaservers; returns once it is healthy. A real cluster runs three or
+    five members on hosts of their own. Plaintext: it is reached from this host only."""
+    if shutil.which("etcd") is None:
+        raise LaunchError("several metaservers need etcd, which is not installed (Debian: apt-get install "
+                          "etcd-server)")
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    client, peer = (f"http://127.0.0.1:{p}" for p in _loopback_ports(2))
+    log_path = run_dir / "etcd.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            ["etcd", "--name", "local", "--data-dir", str(data_dir), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"local={peer}", "--force-new-cluster"],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    server = ServerProcess("etcd", proc, client.removeprefix("http://"), log_path)
+    deadline = time.monotonic() + timeout
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        if not server.alive():
+            raise LaunchError(f"etcd exited with {proc.returncode} before serving:\n{server.log_tail()}")
+        try:
+            with opener.open(f"{client}/health", timeout=1) as reply:
+                if b'"true"' in reply.read():
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            raise LaunchError(f"etcd did not become healthy within {timeout}s:\n{server.log_tail()}")
+        time.sleep(0.05)
 
 
 def meta_status(address: str, timeout: float = 5, credentials: Credentials | None = None):
@@ -232,15 +279,22 @@ class LocalCluster:
     unless `metrics` is off. With `hosts` (hosts.Hosts, created, of at least
     chunkservers + 1), each server runs in a network namespace of its own, the
     metaserver on host 0 and chunkserver i on host i + 1, behind its links.
+
+    With `metaservers` over 1, a local etcd member (start_etcd) holds their shard map
+    and leases; they split the hash slots, and every chunkserver registers with all
+    of them. `meta_address` is the first one's; `meta_addresses` all of them, as the
+    SDK takes them.
     """
 
     def __init__(self, root: str | os.PathLike, *, chunkservers: int = 3, replicas: int = 2,
                  capacity: str = "4GiB", meta_extra: list[str] | None = None,
                  chunk_extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 insecure: bool = False, metrics: bool = True, hosts: Hosts | None = None):
+                 insecure: bool = False, metrics: bool = True, hosts: Hosts | None = None, metaservers: int = 1):
         if hosts is not None and len(hosts.names) <= chunkservers:
             raise ValueError(f"{chunkservers} chunkservers and a metaserver need {chunkservers + 1} hosts, "
                              f"not {len(hosts.names)}")
+        if metaservers < 1 or (hosts is not None and metaservers > 1):
+            raise ValueError(f"a local cluster has 1 or more metaservers (one only on hosts), not {metaservers}")
         self.hosts = hosts
         self.root = pathlib.Path(root)
         self.metrics = metrics
@@ -252,13 +306,29 @@ class LocalCluster:
         self.meta_extra = list(meta_extra or []) + (["--insecure"] if insecure else [])
         self.chunk_extra = list(chunk_extra or []) + (["--insecure"] if insecure else [])
         self.env = env
-        self.meta: ServerProcess | None = None
+        self.metas: list[ServerProcess | None] = [None] * metaservers
+        self.etcd: ServerProcess | None = None
         self.chunkservers: list[ServerProcess | None] = [None] * chunkservers
+
+    @property
+    def meta(self) -> ServerProcess | None:
+        """The (first) metaserver."""
+        return self.metas[0]
+
+    @meta.setter
+    def meta(self, server: ServerProcess | None) -> None:
+        self.metas[0] = server
 
     @property
     def meta_address(self) -> str:
         assert self.meta is not None, "cluster not started"
         return self.meta.address
+
+    @property
+    def meta_addresses(self) -> str:
+        """Every metaserver's address, comma-separated (what the SDK and chunkservers take)."""
+        assert all(self.metas), "cluster not started"
+        return ",".join(m.address for m in self.metas)
 
     @functools.cached_property
     def admin(self) -> Credentials | None:
@@ -299,7 +369,13 @@ class LocalCluster:
     def start(self, timeout: float = 60) -> LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            self.start_metaserver(timeout=timeout)
+            if len(self.metas) == 1:
+                self.start_metaserver(timeout=timeout)
+            else:  # together: each waits for the others before the first shard map is written
+                self.etcd = start_etcd(self.root / "etcd", run_dir=self.root, timeout=timeout)
+                with ThreadPoolExecutor(len(self.metas)) as pool:
+                    for f in [pool.submit(self.start_metaserver, timeout, i) for i in range(len(self.metas))]:
+                        f.result()
             for i in range(self.n):
                 self.start_chunkserver(i, wait=False, timeout=timeout)
             self.wait_live(self.n, timeout)
@@ -312,17 +388,22 @@ class LocalCluster:
         """Host i's address and network namespace (loopback and none without hosts)."""
         return ("127.0.0.1", None) if self.hosts is None else (self.hosts.address(i), self.hosts.names[i])
 
-    def start_metaserver(self, timeout: float = 30) -> ServerProcess:
-        """(Re)starts the metaserver, on the same addresses as before if it had them."""
+    def start_metaserver(self, timeout: float = 30, i: int = 0) -> ServerProcess:
+        """(Re)starts metaserver i, on the same addresses as before if it had them."""
         address, netns = self._host(0)
-        listen = self.meta.address if self.meta else f"{address}:0"
+        old = self.metas[i]
+        listen = old.address if old else f"{address}:0"
         extra = self.meta_extra
         if self.metrics:
-            extra = [*extra, "--metrics-listen", self.meta.metrics_address if self.meta else f"{address}:0"]
-        self.meta = start_metaserver(self.root / "metaserver", listen=listen, replicas=self.replicas,
-                                     extra=extra, run_dir=self.root, timeout=timeout, env=self.env,
-                                     netns=netns, ca=self.ca)
-        return self.meta
+            extra = [*extra, "--metrics-listen", old.metrics_address if old else f"{address}:0"]
+        name = "metaserver" if i == 0 else f"metaserver-{i}"
+        if len(self.metas) > 1:
+            extra = [*extra, "--etcd", self.etcd.address, "--cluster-name", "local", "--metaserver-id", name,
+                     "--expect-metaservers", str(len(self.metas))]
+        self.metas[i] = start_metaserver(self.root / name, listen=listen, replicas=self.replicas, extra=extra,
+                                         run_dir=self.root, timeout=timeout, env=self.env, netns=netns, ca=self.ca,
+                                         name=name)
+        return self.metas[i]
 
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
         """(Re)starts chunkserver i on its data folder (on the same addresses as
@@ -330,7 +411,7 @@ class LocalCluster:
         old = self.chunkservers[i]
         address, netns = self._host(i + 1)
         listen = old.address if old else f"{address}:0"
-        extra = ["--meta", self.meta_address, *self.chunk_extra]
+        extra = ["--meta", self.meta_addresses, *self.chunk_extra]
         if self.metrics:
             extra += ["--metrics-listen", old.metrics_address if old else f"{address}:0"]
         cs = start_chunkserver(self.root / f"cs-{i}", server_id=f"cs-{i}", failure_domain=f"host-{i}",
@@ -360,15 +441,17 @@ class LocalCluster:
                                timeout, f"{n} live chunkservers")
 
     def processes(self) -> list[ServerProcess]:
-        return [p for p in [self.meta, *self.chunkservers] if p is not None]
+        return [p for p in [*self.metas, *self.chunkservers, self.etcd] if p is not None]
 
     def stop(self) -> None:
-        """Stops every process, all at once."""
-        processes = self.processes()
+        """Stops every process, all at once; etcd last (metaservers give up their leases there)."""
+        processes = [p for p in self.processes() if p is not self.etcd]
         for p in processes:
             p.terminate()
         for p in processes:
             p.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

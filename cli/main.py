@@ -147,7 +147,7 @@ def _admin_credentials(args) -> tls.Credentials | None:
 def _cluster_up(args) -> int:
     root = pathlib.Path(args.data_dir)
     cluster = LocalCluster(root, chunkservers=args.chunkservers, replicas=args.replicas, capacity=args.capacity,
-                           insecure=args.insecure)
+                           insecure=args.insecure, metaservers=args.metaservers)
     stop = False
 
     def on_signal(*_):
@@ -159,7 +159,11 @@ def _cluster_up(args) -> int:
     cluster.start()
     state = root / "cluster.json"
     try:
-        print(f"metaserver {cluster.meta_address} metrics http://{cluster.meta.metrics_address}/metrics", flush=True)
+        for m in cluster.metas:
+            print(f"{m.name} {m.address} metrics http://{m.metrics_address}/metrics", flush=True)
+        if cluster.etcd is not None:
+            print(f"etcd {cluster.etcd.address} (the metaservers' shard map and leases); workers and chunkservers "
+                  f"take every metaserver: {cluster.meta_addresses}", flush=True)
         for i, cs in enumerate(cluster.chunkservers):
             print(f"chunkserver cs-{i} {cs.address} host-{i} metrics http://{cs.metrics_address}/metrics", flush=True)
         tls_dir = str(cluster.ca.folder.resolve()) if cluster.ca else None
@@ -171,11 +175,13 @@ def _cluster_up(args) -> int:
         else:
             print("WARNING: --insecure: plaintext gRPC, no authentication, no access rules", flush=True)
         state.write_text(json.dumps({"pid": os.getpid(), "metaserver": cluster.meta_address,
+                                     "metaservers": cluster.meta_addresses,
                                      "tls": tls_dir, "insecure": args.insecure,
                                      "servers": {p.name: {"address": p.address, "pid": p.pid,
                                                           "metrics": p.metrics_address}
                                                  for p in cluster.processes()}}))
-        print(f"cluster up ({args.chunkservers} chunkservers, {args.replicas} replicas, data in {root}); "
+        print(f"cluster up ({args.metaservers} metaserver{'s' if args.metaservers > 1 else ''}, "
+              f"{args.chunkservers} chunkservers, {args.replicas} replicas, data in {root}); "
               f"Ctrl-C or `kvfs cluster down --data-dir {root}` stops it", flush=True)
         while not stop:
             dead = [p.name for p in cluster.processes() if not p.alive()]
@@ -372,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     up = csub.add_parser("up", help="start it and stay in the foreground until Ctrl-C")
     up.add_argument("--chunkservers", type=int, default=3)
     up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--metaservers", type=int, default=1,
+                    help="over 1: that many metaservers splitting the hash slots, with a local etcd member (Debian's "
+                         "etcd-server) holding their shard map and leases")
     up.add_argument("--capacity", default="10GiB", help="per chunkserver")
     up.add_argument("--insecure", action="store_true",
                     help="plaintext gRPC, no authentication or access rules (a trusted lab only)")

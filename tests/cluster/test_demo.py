@@ -11,6 +11,16 @@ from helpers import wait_until
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 
 
+def exited(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+    return True
+
+
 def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
     proc = subprocess.run([*KVFS, "demo", "--prompts", "24", "--engine-tokens", "300",
                            "--data-dir", str(tmp_path / "demo"), "--top-svg", str(tmp_path / "top.svg")],
@@ -65,18 +75,38 @@ def test_cluster_up_status_down(tmp_path):
                               text=True, timeout=60)
         assert down.returncode == 0 and "cluster stopped" in down.stdout
         assert up.wait(timeout=30) == 0
-
-        def all_gone():
-            for pid in pids:
-                try:
-                    os.kill(pid, 0)
-                    return False
-                except ProcessLookupError:
-                    pass
-            return True
-
-        wait_until(all_gone, 10, "every server process to exit")
+        wait_until(lambda: exited(pids), 10, "every server process to exit")
         assert not (data / "cluster.json").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_cluster_up_with_two_metaservers_starts_and_stops_etcd_too(tmp_path):
+    data = tmp_path / "cluster"
+    up = subprocess.Popen([*KVFS, "cluster", "up", "--metaservers", "2", "--chunkservers", "2", "--data-dir",
+                           str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("cluster up"):
+            line = up.stdout.readline()
+            assert line, "kvfs cluster up exited early:\n" + "".join(lines)
+            lines.append(line)
+        assert [l.split()[0] for l in lines[:3]] == ["metaserver", "metaserver-1", "etcd"]
+        assert lines[-1].startswith("cluster up (2 metaservers, 2 chunkservers")
+        state = json.loads((data / "cluster.json").read_text())
+        assert state["metaservers"].split(",") == [lines[0].split()[1], lines[1].split()[1]]
+        pids = [s["pid"] for s in state["servers"].values()]
+        assert set(state["servers"]) == {"metaserver", "metaserver-1", "cs-0", "cs-1", "etcd"}
+        status = subprocess.run([*KVFS, "status", "--data-dir", str(data)], capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0 and status.stdout.count(" yes ") == 2, status.stdout + status.stderr
+        down = subprocess.run([*KVFS, "cluster", "down", "--data-dir", str(data)], capture_output=True,
+                              text=True, timeout=60)
+        assert down.returncode == 0 and "cluster stopped" in down.stdout
+        assert up.wait(timeout=30) == 0
+        wait_until(lambda: exited(pids), 10, "every server process, etcd too, to exit")
     finally:
         if up.poll() is None:
             up.kill()

@@ -4,6 +4,7 @@ caller asking for another's to its holder ("moved", with its address in the
 trailing metadata); a clean stop hands its slots to the other at once."""
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -167,3 +168,31 @@ async def test_a_metaserver_answers_for_nothing_until_it_holds_its_lease(tmp_pat
         proc.kill()
         proc.wait(10)
         log.close()
+
+
+async def test_a_local_cluster_of_two_metaservers_serves_the_sdk(tmp_path):
+    # `kvfs cluster up --metaservers 2`'s cluster: a local etcd, mutual TLS, every chunkserver on both
+    from kvfs.cli.launcher import LocalCluster, meta_status
+    from kvfs.layout import BlockLayout
+
+    from helpers import layer_major, restore_all, tokens_for
+
+    layout = BlockLayout(layers=2, block_tokens=64, kv_dim=64, dtype="bfloat16")
+    with LocalCluster(tmp_path, chunkservers=3, metaservers=2) as cluster:
+        assert cluster.etcd.alive() and len(cluster.meta_addresses.split(",")) == 2
+        prompts = [tokens_for(2, seed=s) for s in range(12)]
+        async with Client(cluster.meta_addresses, credentials=cluster.worker) as client:
+            payloads = []
+            for tokens in prompts:
+                payloads.append(layer_major(layout, [os.urandom(layout.payload_bytes) for _ in range(2)]))
+                await client.write(NS, tokens, payloads[-1], layout)
+            for tokens, payload in zip(prompts, payloads):
+                match = await client.lookup(NS, tokens)
+                assert match.matched == 2
+                assert (await restore_all(client, match, layout))[0] == payload
+            owners = {client.router.map.route((await client.keys(NS, t))[0]).id for t in prompts}
+        assert owners == {"metaserver", "metaserver-1"}  # the prompts spread over both
+        statuses = [meta_status(m.address, credentials=cluster.admin) for m in cluster.metas]
+        assert sum(st.blocks for st in statuses) == 2 * len(prompts) and all(st.blocks for st in statuses)
+        assert all(sum(s.live for s in st.servers) == 3 for st in statuses)  # each chunkserver on both
+    assert not cluster.etcd.alive()
