@@ -373,6 +373,7 @@ class LocalCluster:
                 self.start_metaserver(timeout=timeout)
             else:  # together: each waits for the others before the first shard map is written
                 self.etcd = start_etcd(self.root / "etcd", run_dir=self.root, timeout=timeout)
+                self.admin  # noqa: B018 - issued here, once: each start below would write its files at once
                 with ThreadPoolExecutor(len(self.metas)) as pool:
                     for f in [pool.submit(self.start_metaserver, timeout, i) for i in range(len(self.metas))]:
                         f.result()

@@ -28,6 +28,7 @@ import secrets
 import pathlib
 import ssl
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
 
@@ -217,7 +218,8 @@ def add_port(server, listen: str, credentials: Credentials | None) -> int:
 
 
 def _write(path: pathlib.Path, data: bytes, private: bool = False) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # a name of its own: two launcher threads may write the same file (the CA's ca.pem) at once
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
