@@ -23,8 +23,9 @@ MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the n
 class Metaservers:
     """The metaservers this server registers with (one; or, where several share the
     hash slots, every one of them), and what they have heard: it counts as registered
-    once every one knows it, and a lost chunk is forgotten once every one heard of it
-    (the chunk's slot is one metaserver's; which one, this server does not know)."""
+    while one knows it (a dead metaserver must not take its servers out of rotation:
+    another takes its slots over), and a lost chunk is forgotten once every one heard
+    of it (the chunk's slot is one metaserver's; which one, this server does not know)."""
 
     def __init__(self, addresses: list[str], store: ChunkStore,
                  on_registered: Callable[[bool], None] = lambda registered: None):
@@ -34,7 +35,7 @@ class Metaservers:
 
     def registered(self, address: str, yes: bool) -> None:
         (self._registered.add if yes else self._registered.discard)(address)
-        self.on_registered(len(self._registered) == len(self.addresses))
+        self.on_registered(bool(self._registered))
 
     async def heard_lost(self, address: str, chunk_ids: list[bytes]) -> int:
         """`address` acknowledged these lost chunks; forgets those all have. How many."""

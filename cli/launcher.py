@@ -216,7 +216,8 @@ def start_metaserver(data_dir: str | os.PathLike, *, listen: str = "127.0.0.1:0"
     return start_server(name, "kvfs.metaserver", args, run_dir, timeout, env, netns, creds)
 
 
-def _loopback_ports(n: int) -> list[int]:
+def free_loopback_ports(n: int) -> list[int]:
+    """`n` distinct loopback TCP ports nobody holds right now (all held while choosing)."""
     with contextlib.ExitStack() as stack:
         socks = [stack.enter_context(socket.socket()) for _ in range(n)]
         for sock in socks:
@@ -233,7 +234,7 @@ def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeo
                           "etcd-server)")
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    client, peer = (f"http://127.0.0.1:{p}" for p in _loopback_ports(2))
+    client, peer = (f"http://127.0.0.1:{p}" for p in free_loopback_ports(2))
     log_path = run_dir / "etcd.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
@@ -424,11 +425,12 @@ class LocalCluster:
                                            for s in st.servers), timeout, f"cs-{i} live")
         return cs
 
-    def wait_until(self, condition, timeout: float = 30, what: str = "cluster condition"):
+    def wait_until(self, condition, timeout: float = 30, what: str = "cluster condition", address: str = ""):
+        """Polls Status of the (first, or at `address`) metaserver until `condition` holds; that Status."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                status = meta_status(self.meta_address, credentials=self.admin)
+                status = meta_status(address or self.meta_address, credentials=self.admin)
                 if condition(status):
                     return status
             except grpc.RpcError:
@@ -438,8 +440,10 @@ class LocalCluster:
             time.sleep(0.05)
 
     def wait_live(self, n: int, timeout: float = 30):
-        return self.wait_until(lambda st: sum(s.live for s in st.servers) >= n and st.chains > 0,
-                               timeout, f"{n} live chunkservers")
+        """Until every metaserver sees `n` live chunkservers; the first one's Status."""
+        statuses = [self.wait_until(lambda st: sum(s.live for s in st.servers) >= n and st.chains > 0, timeout,
+                                    f"{n} live chunkservers at {m.name}", m.address) for m in self.metas]
+        return statuses[0]
 
     def processes(self) -> list[ServerProcess]:
         return [p for p in [*self.metas, *self.chunkservers, self.etcd] if p is not None]

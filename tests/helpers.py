@@ -35,14 +35,9 @@ def free_port() -> int:
 
 def free_ports(n: int) -> list[int]:
     """`n` distinct loopback TCP ports nobody holds right now (all held while choosing)."""
-    import contextlib
-    import socket
+    from kvfs.cli.launcher import free_loopback_ports
 
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    return free_loopback_ports(n)
 
 
 def wait_until(condition, timeout: float = 10, what: str = "condition", interval: float = 0.02):

@@ -11,6 +11,21 @@ from helpers import wait_until
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 
 
+def cluster_up(data, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+    """`kvfs cluster up` running, and what it printed up to its "cluster up" line."""
+    up = subprocess.Popen([*KVFS, "cluster", "up", *flags, "--data-dir", str(data)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith("cluster up"):
+        line = up.stdout.readline()
+        if not line:
+            up.kill()
+            up.wait()
+            raise AssertionError("kvfs cluster up exited early:\n" + "".join(lines))
+        lines.append(line)
+    return up, lines
+
+
 def exited(pids) -> bool:
     for pid in pids:
         try:
@@ -41,14 +56,8 @@ def test_demo_serves_prompts_from_a_real_local_cluster(tmp_path):
 
 def test_cluster_up_status_down(tmp_path):
     data = tmp_path / "cluster"
-    up = subprocess.Popen([*KVFS, "cluster", "up", "--chunkservers", "2", "--replicas", "2",
-                           "--data-dir", str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up, lines = cluster_up(data, "--chunkservers", "2", "--replicas", "2")
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("cluster up"):
-            line = up.stdout.readline()
-            assert line, "kvfs cluster up exited early:\n" + "".join(lines)
-            lines.append(line)
         assert lines[0].startswith("metaserver 127.0.0.1:")
         assert [l.split()[:2] for l in lines[1:3]] == [["chunkserver", "cs-0"], ["chunkserver", "cs-1"]]
         servers = json.loads((data / "cluster.json").read_text())["servers"]
@@ -85,14 +94,8 @@ def test_cluster_up_status_down(tmp_path):
 
 def test_cluster_up_with_two_metaservers_starts_and_stops_etcd_too(tmp_path):
     data = tmp_path / "cluster"
-    up = subprocess.Popen([*KVFS, "cluster", "up", "--metaservers", "2", "--chunkservers", "2", "--data-dir",
-                           str(data)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up, lines = cluster_up(data, "--metaservers", "2", "--chunkservers", "2")
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("cluster up"):
-            line = up.stdout.readline()
-            assert line, "kvfs cluster up exited early:\n" + "".join(lines)
-            lines.append(line)
         assert [l.split()[0] for l in lines[:3]] == ["metaserver", "metaserver-1", "etcd"]
         assert lines[-1].startswith("cluster up (2 metaservers, 2 chunkservers")
         state = json.loads((data / "cluster.json").read_text())

@@ -1,6 +1,6 @@
 """Every gRPC method of both servers against hostile bytes, from raw channels that
 send whatever they are given (issue "Abuse resistance": the RPC fuzzer covers the
-new messages, Usage and TenantKey among them). For each method: random byte strings, and a
+new messages, Usage, TenantKey and ShardMap among them). For each method: random byte strings, and a
 valid request mangled (bytes flipped, cut short, spliced, lengths inflated). Each
 call gets an answer: a result, or a status that says what was wrong, never
 UNKNOWN (an unhandled error in a handler) and never a dead server; afterwards
@@ -55,6 +55,7 @@ def templates(server_address: str) -> dict[str, tuple[str, bytes, str]]:
         meta + "Status": ("worker", meta_pb2.StatusRequest(), "unary"),
         meta + "Usage": ("worker", meta_pb2.UsageRequest(tenants=["tenant-a", "tenant-b"]), "unary"),
         meta + "TenantKey": ("worker", meta_pb2.TenantKeyRequest(tenant="tenant-a"), "unary"),
+        meta + "ShardMap": ("worker", meta_pb2.ShardMapRequest(), "unary"),
         meta + "RunLifecycle": ("worker", meta_pb2.RunLifecycleRequest(), "unary"),
         meta + "Register": ("server", meta_pb2.RegisterRequest(server_id="rogue", address="127.0.0.1:1",
                                                                failure_domain="x", capacity_bytes=1 << 30), "unary"),
