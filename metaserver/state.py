@@ -128,6 +128,7 @@ class MetaState:
         self.evicting = False  # between passing the high watermark and reaching the low one
         self.client_calls = 0  # lookups and writes begun (metrics.timed): background passes yield to them
         self.forged_owners = 0  # owner records a rebuild found without a valid seal, and ignored
+        self._staged_floor = records.STAGED  # where rebuild_slice's next scan starts
         # The hash slots (kvfs/shards.py) this metaserver answers for: all of them when it is the
         # only one; else those its lease holds (coordination.SlotLease.serves). Chunks whose owner
         # records name another slot are another metaserver's: never collected or rebuilt here.
@@ -555,6 +556,10 @@ class MetaState:
     def rebuild_begin(self) -> None:
         """Forgets what an earlier rebuild staged and did not finish."""
         self.db.db.delete_range(records.STAGED, records.STAGED + b"\xff")
+        # where the next slice starts: slices restore the staged blocks in key order and delete
+        # them, and a scan from the front stepped over every entry deleted so far (a rebuild of
+        # 20,000 blocks took 1.8 s, of 40,000 7.4 s)
+        self._staged_floor = records.STAGED
 
     def rebuild_stage(self, server_id: str, chunks, slots: set[int] | None = None) -> int:
         """Stages chunks (ListChunks entries) a rebuild found on a server, each under its
@@ -586,9 +591,10 @@ class MetaState:
         incomplete); (0, 0) once nothing is staged."""
         groups: dict[bytes, list] = {}
         staged_keys = []
-        for key, value in self.db.scan(records.STAGED):
+        for key, value in self.db.scan(records.STAGED, start=self._staged_floor):
             entry = records.read_staged(key, value)
             if entry[0] not in groups and len(groups) == limit:
+                self._staged_floor = key  # the next block's first entry: nothing is staged below it now
                 break
             groups.setdefault(entry[0], []).append(entry)
             staged_keys.append(key)

@@ -305,9 +305,13 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
     other = info(keys[0])
     other.checksum = 6  # the same chunk id with other bytes: not a third copy of block 0's chunk
     assert state.rebuild_stage("cs-2", [other]) == 1
-    slices = []
+    slices, floors = [], []
     while (done := state.rebuild_slice(limit=1)) != (0, 0):
         slices.append(done)
+        floors.append(state._staged_floor)
+        # the next slice starts at the first block still staged, not at deleted entries before it
+        assert keys_under(state, records.STAGED) <= {k for k in keys_under(state, records.STAGED) if k >= floors[-1]}
+        assert not keys_under(state, records.STAGED) or min(keys_under(state, records.STAGED)) == floors[-1]
     assert sorted(slices) == [(0, 1), (1, 0), (1, 0)]  # one block per slice; block 2 incomplete
     assert not keys_under(state, records.STAGED)  # the staging table is emptied as it goes
     assert keys_under(state, records.SHORT) == {records.SHORT + NS.digest + keys[1]}  # one copy: repair's queue
