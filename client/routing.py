@@ -62,7 +62,9 @@ class MetaRouter:
     async def call(self, name: str, request, first_key: bytes | None = None):
         """`name` (a MetaService method) at the metaserver for `first_key`; follows
         "moved" answers, reading the map again before each."""
-        if self.alone is None and first_key is not None:
+        if first_key is None:
+            return await self._any(name, request)
+        if self.alone is None:
             await self.refresh()
         for moves in range(MOVES + 1):
             address = self.address_for(first_key)
@@ -87,6 +89,20 @@ class MetaRouter:
                 raise error
             log.info("%s: %s; the shard map now sends it to %s", name, error.message, self.address_for(first_key))
         raise AssertionError("unreachable")
+
+    async def _any(self, name: str, request):
+        """`name` at the first metaserver that answers: the seeds, then the map's owners
+        (a call about no prompt, such as TenantKey, must not fail because one is down)."""
+        known = [o.address for o in self.map.owners] if self.map is not None else []
+        error: KvfsError | None = None
+        for address in dict.fromkeys([*self.seeds, *known]):
+            try:
+                return await getattr(self.stub(address), name)(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as err:
+                error = from_rpc_error(err, f"metaserver {address}")
+            if not isinstance(error, Unavailable):
+                break
+        raise error
 
     async def refresh(self, first: str = "", avoid: str = "") -> None:
         """Reads the shard map from `first`, else from the first metaserver that has

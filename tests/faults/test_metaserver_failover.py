@@ -147,6 +147,8 @@ async def test_a_metaservers_death_moves_its_slots_and_no_acknowledged_block_is_
             # every block acknowledged before the kill, and every write acknowledged since, reads back exactly
             outcomes = [await read_back(client, t) for t in prompts + acked_after]
             assert outcomes == ["ok"] * len(outcomes), [o for o in outcomes if o != "ok"][:5]
+        async with Client(seeds, insecure=True) as fresh:  # a worker started since: the dead one is its first seed
+            assert [await read_back(fresh, t) for t in theirs] == ["ok"] * len(theirs)
     finally:
         for p in [*metas, *chunks]:
             p.kill()
