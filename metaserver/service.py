@@ -57,7 +57,7 @@ def request_limits(cfg) -> dict[str, int]:
     max_keys allows and room for the rest. A request just under the gRPC bound
     would otherwise be parsed whole (3.7M keys: 67 MB read, 271 MiB parsed)."""
     keys = cfg.max_keys * KEY_FIELD_BYTES + 64 * 1024
-    return {"MatchPrefix": keys, "AllocateBlocks": keys}
+    return {"MatchPrefix": keys, "AllocateBlocks": keys, "ShardMap": 1024}  # ShardMap's request is empty
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,4 +206,10 @@ async def test_the_shard_map_is_given_to_workers_and_admins_only(cluster, who):
         async with tls.aio_channel(cluster.meta_address, creds) as channel:
             reply = await meta_pb2_grpc.MetaServiceStub(channel).ShardMap(meta_pb2.ShardMapRequest(), timeout=10)
         assert reply.map_json == "" and reply.epoch == 0  # alone: every slot is its own
+    # its request is empty: a megabyte of unknown fields is refused before it is parsed
+    padded = b"\x0a" + bytes([0x80, 0x80, 0x40]) + os.urandom(1 << 20)  # field 1, 1 MiB long
+    async with tls.aio_channel(cluster.meta_address, who.worker_a) as channel:
+        call = channel.unary_unary("/kvfs.meta.MetaService/ShardMap")(padded, timeout=10)
+        err = await refused(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "ShardMap" in err.details()
     await write_and_restore(cluster, who.worker_a, NS_A, seed=7)  # the SDK routes through it, as before
