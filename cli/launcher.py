@@ -225,6 +225,18 @@ def free_loopback_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
+def etcd_healthy(endpoint: str) -> bool:
+    """Whether the etcd member at `endpoint` (host:port) says it is healthy (has a leader)."""
+    try:
+        with _NO_PROXY.open(f"http://{endpoint}/health", timeout=1) as reply:
+            return b'"true"' in reply.read()
+    except OSError:
+        return False
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback and test bridges only
+
+
 def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeout: float = 30) -> ServerProcess:
     """One etcd member on loopback (Debian's etcd-server), for a local cluster of
     several metaservers; returns once it is healthy. A real cluster runs three or
@@ -244,16 +256,11 @@ def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeo
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = ServerProcess("etcd", proc, client.removeprefix("http://"), log_path)
     deadline = time.monotonic() + timeout
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     while True:
         if not server.alive():
             raise LaunchError(f"etcd exited with {proc.returncode} before serving:\n{server.log_tail()}")
-        try:
-            with opener.open(f"{client}/health", timeout=1) as reply:
-                if b'"true"' in reply.read():
-                    return server
-        except OSError:
-            pass
+        if etcd_healthy(server.address):
+            return server
         if time.monotonic() > deadline:
             server.kill()
             raise LaunchError(f"etcd did not become healthy within {timeout}s:\n{server.log_tail()}")

@@ -9,11 +9,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import urllib.request
+
+from kvfs.cli.launcher import etcd_healthy
 
 from helpers import free_ports, wait_until
 
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 PR_SET_PDEATHSIG = 1
 
 
@@ -75,11 +75,7 @@ class EtcdCluster:
     def healthy(self, name: str) -> bool:
         if self.procs[name].poll() is not None:
             raise AssertionError(f"etcd {name} exited: {(self.root / f'etcd-{name}.log').read_text()[-2000:]}")
-        try:
-            with _NO_PROXY.open(f"http://{self.endpoint(name)}/health", timeout=1) as r:
-                return b'"true"' in r.read()
-        except OSError:
-            return False
+        return etcd_healthy(self.endpoint(name))
 
     def pause(self, name: str) -> None:
         """Freezes a member (SIGSTOP): its connections stay open and answer nothing."""
