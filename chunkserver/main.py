@@ -66,8 +66,14 @@ async def serve(cfg: ChunkserverConfig) -> None:
              data_address or "off", cfg.data_dir, cfg.capacity, store.reader.name, store.io_mode, frozen)
     write_ready_file(cfg.ready_file, address, metrics_server.address if metrics_server else "")
     metaservers = Metaservers(metaserver_addresses(cfg.meta), store, readiness.set_registered)
-    beats = [asyncio.create_task(heartbeat_forever(cfg, meta, metaservers, advertised, data_address, creds))
-             for meta in metaservers.addresses]
+    beats: list[asyncio.Task] = []
+
+    def beat_to(meta: str) -> None:
+        beats.append(asyncio.create_task(heartbeat_forever(cfg, meta, metaservers, advertised, data_address, creds)))
+
+    metaservers.on_new = beat_to  # a metaserver added to the cluster, named by another's heartbeat replies
+    for meta in list(metaservers.addresses):
+        beat_to(meta)
     publishing = asyncio.create_task(readiness.publish_forever())
     scrubbing = asyncio.create_task(scrubber.run_forever())
     # the data path is the data port's threads: a coarse tick here is enough, and costs

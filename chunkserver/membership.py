@@ -11,6 +11,7 @@ import grpc
 
 from kvfs import tls
 from kvfs.proto import meta_pb2, meta_pb2_grpc
+from kvfs.shards import valid_address
 
 from .config import ChunkserverConfig
 from .store import ChunkStore
@@ -18,6 +19,7 @@ from .store import ChunkStore
 log = logging.getLogger(__name__)
 
 MAX_LOST_PER_BEAT = 1000  # a failing disk can lose many; the rest go with the next beats
+MAX_METASERVERS = 64  # registered with, configured and learned from shard maps together
 
 
 class Metaservers:
@@ -32,6 +34,22 @@ class Metaservers:
         self.addresses, self.store, self.on_registered = addresses, store, on_registered
         self._registered: set[str] = set()
         self._heard: dict[bytes, set[str]] = {}  # lost chunk -> the metaservers that heard of it
+        self.on_new: Callable[[str], None] = lambda address: None  # starts heartbeats to one learned
+
+    def learn(self, addresses, told_by: str) -> None:
+        """The metaservers a shard map lists (a heartbeat's reply): the ones not known
+        yet are registered with from now on (a metaserver added to the cluster). At
+        most MAX_METASERVERS, each a host:port, or they are ignored with a log line."""
+        for address in addresses:
+            if address in self.addresses:
+                continue
+            if len(self.addresses) >= MAX_METASERVERS or not valid_address(address):
+                log.warning("metaserver %s named metaserver %r; ignored (%d known, at most %d)", told_by,
+                            address[:300], len(self.addresses), MAX_METASERVERS)
+                continue
+            log.info("metaserver %s named metaserver %s, new here: registering with it too", told_by, address)
+            self.addresses.append(address)
+            self.on_new(address)
 
     def registered(self, address: str, yes: bool) -> None:
         (self._registered.add if yes else self._registered.discard)(address)
@@ -84,6 +102,7 @@ async def heartbeat_forever(cfg: ChunkserverConfig, meta: str, metaservers: Meta
                     registered = False
                     metaservers.registered(meta, False)
                     continue
+                metaservers.learn(reply.metaservers, meta)
                 if lost:  # kept until now: a heartbeat that failed is sent again with them
                     await metaservers.heard_lost(meta, [c for c, _ in lost])
                     log.info("reported %d lost chunks to metaserver %s", len(lost), meta)

@@ -414,6 +414,19 @@ class LocalCluster:
                                          name=name)
         return self.metas[i]
 
+    def add_metaserver(self, timeout: float = 30) -> ServerProcess:
+        """Starts one more metaserver in a running cluster of several: it joins on etcd,
+        the chunkservers register with it once another names it in their heartbeats'
+        replies, and the map gives it a share of the slots once it hears from them all."""
+        if self.etcd is None:
+            raise ValueError("a metaserver is added to a cluster of several (on etcd), not to one alone")
+        self.metas.append(None)
+        try:
+            return self.start_metaserver(timeout, len(self.metas) - 1)
+        except BaseException:
+            self.metas.pop()
+            raise
+
     def start_chunkserver(self, i: int, wait: bool = True, timeout: float = 30) -> ServerProcess:
         """(Re)starts chunkserver i on its data folder (on the same addresses as
         before if it had them) and, by default, waits until the metaserver sees it live."""

@@ -32,6 +32,12 @@ _ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _ADDRESS = re.compile(r"(?:[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
+def valid_address(address) -> bool:
+    """Whether `address` is a host:port a shard map may list."""
+    return isinstance(address, str) and bool(_ADDRESS.fullmatch(address)) and \
+        0 < int(address.rsplit(":", 1)[1]) < 65536
+
+
 def hash_slot(first_key: bytes) -> int:
     """The slot of a prefix whose chain starts with `first_key` (a block key)."""
     if len(first_key) < 2:
@@ -50,8 +56,7 @@ class Owner:
     def __post_init__(self):
         if not isinstance(self.id, str) or not _ID.fullmatch(self.id):
             raise ValueError(f"an owner id is 1 to {MAX_ID_BYTES} letters, digits, '.', '_' or '-', got {self.id!r}")
-        if not isinstance(self.address, str) or not _ADDRESS.fullmatch(self.address) or \
-                not 0 < int(self.address.rsplit(":", 1)[1]) < 65536:
+        if not valid_address(self.address):
             raise ValueError(f"owner {self.id}: an address is host:port, got {self.address!r}"[:300])
 
 

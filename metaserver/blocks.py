@@ -39,8 +39,8 @@ from .hits import PendingHits
 from .eviction import ArcPolicy
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
                       VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_key,
-                      replica_prefix, reply_layout, reply_tail, row_layout, row_parent, row_slot, sortable, u64,
-                      victim_key)
+                      replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
+                      sortable, u64, victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
@@ -310,6 +310,10 @@ class BlockTable:
         self.hits = PendingHits()  # since the last flush, a run of blocks an entry
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
+        # Whether this metaserver answers for a hash slot now (sharded.Shards.answers): a block
+        # filed under one it does not leaves without its chunks, which are another's now
+        self.answers: Callable[[int], bool] = lambda slot: True
+        self.forgotten = 0  # blocks of slots handed to another metaserver, removed without their chunks
         self.usage = Usage(db, clock, cfg.usage_max_tenants)  # per tenant, moved with the blocks
         # lookups answered, the keys they asked for and the blocks they matched (metrics.py)
         self.lookups = self.lookup_blocks_requested = self.lookup_blocks_matched = 0
@@ -702,7 +706,8 @@ class BlockTable:
         for n in row.servers:
             b.delete(replica_key(n, full))
         staged.removed[full] = row
-        staged.chunks += self.stored_chunks(row)
+        if self.answers(row.hash_slot):
+            staged.chunks += self.stored_chunks(row)
         self.ranks.counted(row.rank, -1)
         self.blocks -= 1
         self.payload_bytes -= row.nbytes
@@ -744,6 +749,28 @@ class BlockTable:
                 self.remove(staged, full, Row.decode(raw), stranding=True)
         self.write(staged)
         return staged.chunks
+
+    def forget(self, slots: set[int], after: bytes = ROW, limit: int = 16) -> tuple[int, bytes | None]:
+        """Removes the rows filed under hash `slots` that this metaserver no longer
+        answers for, and none of their chunks (another metaserver holds those slots and
+        serves the chunks now), scanning up to `limit` row groups from `after`. A
+        prompt's blocks share its slot, so its whole tree goes. Returns (blocks
+        forgotten, where the next scan starts; None once every group was looked at)."""
+        staged, reader = Staged(), Reader(self.db)
+        at: bytes | None = None
+        for i, (name, value) in enumerate(self.db.scan(ROW, start=after)):
+            if i == limit:
+                at = name
+                break
+            ns = name[len(ROW) : len(ROW) + KEY_BYTES]
+            for k in groups.occupied(value):
+                raw = groups.row_at(value, k)
+                slot = row_hash_slot(raw)
+                if slot in slots and not self.answers(slot) and ns + raw[:KEY_BYTES] not in staged.removed:
+                    self.remove(staged, ns + raw[:KEY_BYTES], Row.decode(raw), stranding=False, reader=reader)
+        self.write(staged)
+        self.forgotten += len(staged.removed)
+        return len(staged.removed), at
 
     def drop_stranded(self, limit: int = 1024) -> list[meta_pb2.StoredChunk]:
         """Drops up to `limit` descendants of removed blocks (unreachable without them);

@@ -7,7 +7,10 @@ etcd holds, under `/kvfs/<cluster>/`:
     member key is created only where none exists (a second process with the same
     id waits until the first one's lease is gone);
   - `shardmap`: the shard map (ShardMap.to_json), changed only by compare-and-swap
-    on its revision, and only forwards (a higher epoch).
+    on its revision, and only forwards (a higher epoch);
+  - `acks/<id>`: the epoch of the newest map the metaserver has taken, on its lease;
+  - `ready/<id>`: for a metaserver the map does not list yet, how many chunkservers
+    it hears from, on its lease.
 
 A metaserver answers for a slot only while (1) the map it holds gives it the slot,
 (2) its lease is surely alive: counted from the moment it *sent* the renewal etcd
@@ -22,6 +25,21 @@ back before it reads the map, so a takeover either came first (it reads the new
 map) or fails its check. A map it cannot believe (malformed, or older than the one
 it holds) stops it answering until a good one is there: fail closed.
 
+Handing slots over. A metaserver that has taken a map acknowledges it (its `acks`
+key) only after it stopped answering for what the map took from it. A slot a map
+gives a metaserver that the map just before did not (or every slot of its, when
+it missed a map or holds its first since joining) is *pending*: it answers for it
+only once every other member holding a lease has acknowledged that map or a newer
+one. So a slot moved from a live metaserver to another is never answered for by
+both: the new holder waits for the old one to let go, or for its lease to lapse.
+
+Rebalancing. A metaserver that joins a cluster whose map does not list it is added
+to the map by a live owner (ShardMap.adding: about 1/(n+1) of the slots move to it,
+taken from the owners that hold the most), once it hears from as many chunkservers
+as that owner does (its `ready` key): it rebuilds the slots it gets from their
+inventories, and a chunkserver it has not heard from yet would leave blocks out.
+The slots it gets are pending until the old holders acknowledge.
+
 No watch streams: renewals run every quarter of the TTL in a task of their own,
 and every `poll` seconds another reads the member key and the map and looks for
 owners whose member key is gone. Each request has a deadline; a failed one moves
@@ -32,6 +50,7 @@ member cut off from its quorum refuses them rather than answering from its past.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -129,6 +148,12 @@ def keys(cluster: str) -> tuple[bytes, bytes]:
     return base + b"shardmap", base + b"members/"
 
 
+def acks_prefix(cluster: str) -> bytes:
+    """Where the members acknowledge the maps they took (`acks/<id>`: an epoch);
+    `ready/<id>` beside it."""
+    return keys(cluster)[1][: -len(b"members/")] + b"acks/"
+
+
 class MemberKeyHeld(RuntimeError):
     """Another lease holds this metaserver's member key."""
 
@@ -138,15 +163,28 @@ class SlotLease:
     the one question the RPCs ask."""
 
     def __init__(self, etcd: EtcdClient, cluster: str, me: Owner, ttl: int = 6, poll: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_map: Callable[[ShardMap], None] | None = None):
+                 clock: Callable[[], float] = time.monotonic, on_map: Callable[[ShardMap], None] | None = None,
+                 rebalance: bool = True):
         if ttl < 2:
             raise ValueError(f"a lease TTL is at least 2 s, got {ttl}")
         self.etcd, self.me, self.ttl = etcd, me, ttl
         self.poll = poll if poll is not None else ttl / 4
         self.map_key, self.members_key = keys(cluster)
         self.member_key = self.members_key + me.id.encode()
+        self.acks_key = acks_prefix(cluster)
+        self.ready_key = self.acks_key[: -len(b"acks/")] + b"ready/"
+        self.live_servers: Callable[[], int] = lambda: 0  # chunkservers this metaserver hears from
+        self.members: dict[str, str] = {}  # id -> address of every member, as last read
         self.clock = clock
-        self.on_map = on_map
+        self.on_map = on_map  # hears every map taken, before it is answered by
+        self.on_settled: Callable[[], None] = lambda: None  # hears that no slot is pending any more
+        self.rebalance = rebalance  # adds members the map does not list (off: they wait as standbys)
+        self.pending: set[int] = set()  # slots the map gives us that we wait for the others to let go of
+        self.acked = 0  # the epoch of the last map we acknowledged (on this lease)
+        self.additions = 0  # maps this session wrote to add members
+        self._announced = -1  # the chunkserver count last written to our ready key (on this lease)
+        self._waits_noted: dict[str, int] = {}  # members not added yet: the count last logged for each
+        self._waits_logged = 0  # the epoch whose wait for acknowledgements was logged
         self.lease_id: int | None = None
         self.lease_valid_until = 0.0  # clock(): the latest moment the lease is surely alive
         self.shard_map: ShardMap | None = None
@@ -171,7 +209,7 @@ class SlotLease:
 
     def serves(self, slot: int) -> bool:
         m = self.shard_map
-        return m is not None and self.serving() and m.owner_of(slot).id == self.me.id
+        return m is not None and self.serving() and m.owner_of(slot).id == self.me.id and slot not in self.pending
 
     # ---- joining and leaving --------------------------------------------
 
@@ -247,7 +285,7 @@ class SlotLease:
             self.lease_id = lease.id
             self._joins += 1  # rounds under way confirm nothing, and nothing read before counts:
             self._confirmed = False
-            self.shard_map, self.map_revision = None, 0
+            self.shard_map, self.map_revision, self.acked, self._announced = None, 0, 0, -1
             self.lease_valid_until = sent + lease.ttl * (1 - CLOCK_MARGIN)
             log.info("shard lease: %s joined with lease %x (TTL %d s)", self.me.id, lease.id, lease.ttl)
 
@@ -317,8 +355,13 @@ class SlotLease:
         if self._joins != joins:  # rejoined meanwhile: the map read may predate the new member key
             return
         self._confirmed = True
+        await bounded(self._acknowledge(), timeout=deadline)
+        await bounded(self._settle(), timeout=deadline)
         await bounded(self._readdress(), timeout=deadline)
         await bounded(self._take_over(), timeout=deadline)
+        await bounded(self._add_members(), timeout=deadline)
+        await bounded(self._acknowledge(), timeout=deadline)  # a map this round wrote
+        await bounded(self._announce(), timeout=deadline)
 
     async def _read_map(self) -> bool:
         got = await bounded(self.etcd.get(self.map_key), timeout=self.poll * 2)
@@ -338,12 +381,108 @@ class SlotLease:
             log.error("shard lease: %s: refusing the shard map at revision %d: %s; answering nothing until a good "
                       "one is written", self.me.id, got.mod_revision, err)
             raise
+        before, mine = self.shard_map, fresh.slots_of(self.me.id) if self._listed(fresh) else []
+        if before is not None and fresh.epoch == before.epoch + 1 and self._listed(before):
+            held = set(before.slots_of(self.me.id))
+            gained = {s for s in mine if s not in held}
+        else:
+            gained = set(mine)  # a map missed, or the first since joining: who held what meanwhile is unknown
+        self.pending = (self.pending & set(mine)) | gained
         self.shard_map, self.map_revision = fresh, got.mod_revision
-        log.info("shard map: epoch %d over %d owners; %s holds %d slots", fresh.epoch, len(fresh.owners),
-                 self.me.id, fresh.counts().get(self.me.id, 0))
+        log.info("shard map: epoch %d over %d owners; %s holds %d slots%s", fresh.epoch, len(fresh.owners),
+                 self.me.id, len(mine), f", {len(self.pending)} of them pending their handover" if self.pending else "")
         if self.on_map is not None:
             self.on_map(fresh)
         return True
+
+    def _listed(self, m: ShardMap) -> bool:
+        return any(o.id == self.me.id for o in m.owners)
+
+    async def _acknowledge(self) -> None:
+        """Tells the others this metaserver took the map it holds: it answers for
+        nothing the map does not give it (the RPCs check the map on every call)."""
+        m = self.shard_map
+        if m is None or m.epoch <= self.acked:
+            return
+        await self.etcd.put(self.acks_key + self.me.id.encode(), str(m.epoch).encode(), lease=self.lease_id)
+        self.acked = m.epoch
+
+    async def _settle(self) -> None:
+        """Ends the wait on pending slots once every other member holding a lease has
+        acknowledged this map or a newer one (a member without an ack key has not)."""
+        m = self.shard_map
+        if m is None or not self.pending:
+            return
+        members = await self._members()  # before the acks: a member joining after reads this map or a newer
+        acks: dict[str, int] = {}
+        for kv in await self.etcd.get_prefix(self.acks_key):
+            try:
+                acks[kv.key[len(self.acks_key):].decode()] = int(kv.value)
+            except (UnicodeDecodeError, ValueError):
+                log.warning("shard lease: ignoring ack key %r", kv.key[:200])
+        waiting = sorted(i for i in members if i != self.me.id and acks.get(i, 0) < m.epoch)
+        if waiting:
+            if self._waits_logged != m.epoch:
+                self._waits_logged = m.epoch
+                log.info("shard map: %s waits for %s to take epoch %d before it answers for %d slots handed to it",
+                         self.me.id, ", ".join(waiting), m.epoch, len(self.pending))
+            return
+        if self.shard_map is not m:
+            return  # another map came meanwhile: the next round settles that one
+        log.info("shard map: epoch %d acknowledged by every member; %s answers for its %d new slots", m.epoch,
+                 self.me.id, len(self.pending))
+        self.pending = set()
+        self.on_settled()
+
+    async def _announce(self) -> None:
+        """While the map does not list this metaserver: how many chunkservers it hears
+        from, for the owners to decide when to add it."""
+        m = self.shard_map
+        live = self.live_servers()
+        if m is None or self._listed(m) or live == self._announced:
+            return
+        await self.etcd.put(self.ready_key + self.me.id.encode(), str(live).encode(), lease=self.lease_id)
+        self._announced = live
+
+    async def _add_members(self) -> None:
+        """Adds to the map a member it does not list that hears from as many chunkservers
+        as this metaserver does (one at a time: the next round adds the next). Only a
+        serving owner does."""
+        m = self.shard_map
+        if not self.rebalance or m is None or not self.serves_any() or self.pending:
+            return
+        members = await self._members()
+        new = sorted(i for i in members if not any(o.id == i for o in m.owners))
+        if not new:
+            return
+        ready: dict[str, int] = {}
+        for kv in await self.etcd.get_prefix(self.ready_key):
+            with contextlib.suppress(UnicodeDecodeError, ValueError):
+                ready[kv.key[len(self.ready_key):].decode()] = int(kv.value)
+        want = self.live_servers()
+        ripe = [i for i in new if ready.get(i, -1) >= want]
+        for i in new:
+            if i not in ripe and self._waits_noted.get(i) != ready.get(i, -1):
+                self._waits_noted[i] = ready.get(i, -1)
+                log.info("shard map: metaserver %s joined; it is added once it hears from %d chunkservers, as %s "
+                         "does (it hears from %s)", i, want, self.me.id, ready.get(i, "none yet"))
+        if not ripe:
+            return
+        fresh = m.adding(Owner(ripe[0], members[ripe[0]]))
+        t = self.etcd.transactions
+        ok, _ = await self.etcd.transaction(
+            compare=[t.mod(self.map_key) == self.map_revision,
+                     t.version(self.members_key + ripe[0].encode()) > 0],
+            success=[t.put(self.map_key, fresh.to_json().encode())], failure=[])
+        if ok:
+            self.additions += 1
+            log.warning("shard map: %s added metaserver %s at %s: %d slots move to it, epoch %d", self.me.id,
+                        ripe[0], members[ripe[0]], fresh.counts()[ripe[0]], fresh.epoch)
+        await self._read_map()
+
+    def serves_any(self) -> bool:
+        m = self.shard_map
+        return m is not None and self.serving() and self._listed(m)
 
     async def _create(self, create_over: int) -> bool:
         members = await self._members()
@@ -367,6 +506,7 @@ class SlotLease:
                 log.warning("shard lease: ignoring member key %r: %s", kv.key[:200], err)
                 continue
             out[owner.id] = owner.address
+        self.members = out
         return out
 
     async def _readdress(self) -> None:

@@ -27,6 +27,7 @@ from kvfs.grants import parse_owner
 from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
+from . import records
 from .state import MetaState
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,18 @@ class Lifecycle:
                     self.delete_soon()
             except Exception:
                 log.exception("flush round failed")
+
+    async def forget(self, slots: set[int]) -> int:
+        """Forgets the blocks of hash `slots` handed to another metaserver (their rows,
+        not their chunks), a slice of row groups per turn: one pass over the table."""
+        t0, after, forgotten = time.monotonic(), records.ROW, 0
+        while after is not None:
+            async with self.turn():
+                n, after = self.state.forget_slice(slots, after, SLICE)
+            forgotten += n
+        log.info("forgot %d blocks of %d hash slots handed to another metaserver, in %.1f s", forgotten, len(slots),
+                 time.monotonic() - t0)
+        return forgotten
 
     async def rebuild(self, slots: set[int] | None = None) -> meta_pb2.RebuildReply:
         """Reconstructs committed blocks from the live servers' inventories (of the hash

@@ -54,7 +54,10 @@ async def serve(cfg: MetaserverConfig) -> None:
     # among several metaservers: it answers for the slots its lease on etcd holds, none before
     shards = servicer.shards = sharded.among_several(cfg, address)
     state.owns, state.members.share, state.allocations.check_slot = shards.owns, shards.share, shards.check
-    rebuilds: set[asyncio.Task] = set()
+    state.blocks.answers = shards.answers
+    if not shards.alone:
+        shards.lease.live_servers = lambda: len(state.live_servers())
+    rebuilds: set[asyncio.Task] = set()  # and forgetting: slots that changed hands
 
     async def rebuild(slots: set[int]) -> None:
         try:
@@ -64,12 +67,19 @@ async def serve(cfg: MetaserverConfig) -> None:
         else:
             shards.rebuilt(slots)
 
-    def rebuild_taken(slots: set[int]) -> None:  # a dead metaserver's slots, from the chunkservers
-        task = asyncio.create_task(rebuild(slots))
+    async def forget(slots: set[int]) -> None:
+        try:
+            await lifecycle.forget(slots)
+        except Exception:  # their rows stay; lookups of them are refused, eviction deletes no chunk of theirs
+            log.exception("forgetting the blocks of %d hash slots handed over failed", len(slots))
+
+    def in_background(work) -> None:
+        task = asyncio.create_task(work)
         rebuilds.add(task)
         task.add_done_callback(rebuilds.discard)
 
-    shards.on_gain = rebuild_taken
+    shards.on_gain = lambda slots: in_background(rebuild(slots))  # from the chunkservers
+    shards.on_lose = lambda slots: in_background(forget(slots))
     frozen = freeze_startup_heap()
     await server.start()
     await sharded.start(shards, cfg)

@@ -60,6 +60,8 @@ COUNTERS = (  # metric (the exposition adds _total), StatusReply field, help
     ("kvfs_meta_stranded_blocks", "stranded_blocks", "blocks dropped because an ancestor expired, was evicted or "
                                                      "was lost"),
     ("kvfs_meta_blocks_lost", "blocks_lost", "blocks dropped because a chunk of theirs had no copy left"),
+    ("kvfs_meta_forgotten_blocks", "forgotten_blocks", "blocks of hash slots handed to another metaserver, "
+                                                       "dropped from metadata with their chunks kept"),
     ("kvfs_meta_replicas_lost", "replicas_lost", "chunk copies chunkservers removed as corrupt"),
     ("kvfs_meta_gc_deleted_chunks", "gc_deleted_chunks", "chunks deleted on chunkservers (garbage, evicted, "
                                                          "expired)"),

@@ -136,7 +136,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                              [(c.chunk_id, parse_owner(c.owner)) for c in request.lost_chunks])
             self.lifecycle.queue_deletes(dropped)
             await self.state.durable()  # the server forgets its reports once acknowledged
-        return meta_pb2.HeartbeatReply(register_again=not known)
+        return meta_pb2.HeartbeatReply(register_again=not known, metaservers=self.shards.addresses())
 
     async def _free_evicted(self, evicted_before: int) -> None:
         if self.state.evicted_blocks != evicted_before:
@@ -227,7 +227,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
                                      open_allocations=len(st.allocations.open), expired_blocks=st.expired_blocks,
                                      gc_deleted_chunks=st.gc_deleted_chunks, blocks_lost=st.blocks_lost,
                                      replicas_lost=st.replicas_lost, evicted_blocks=st.evicted_blocks,
-                                     stranded_blocks=st.stranded_blocks, cache_bytes=st.cache_bytes,
+                                     stranded_blocks=st.stranded_blocks, forgotten_blocks=st.blocks.forgotten,
+                                     cache_bytes=st.cache_bytes,
                                      cache_capacity_bytes=st.capacity_bytes(),
                                      loop_longest_stall_s=self.loop.longest)
         if self.repairer is not None:

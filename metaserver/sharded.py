@@ -10,6 +10,13 @@ goes out: a lease that lapsed while a call ran must not let that answer out.
 
 Its share of the cache is its share of the slots: every metaserver places chunks on
 the same chunkservers, so each evicts against that share of their capacity.
+
+Slots change hands when a metaserver dies (the others take its slots) or joins
+(rebalancing gives it a share). The new holder rebuilds a slot's blocks from the
+chunkservers' inventories once the old holder has let go of it (the lease's
+handover); the old holder forgets the slot's rows without deleting a chunk: the
+chunks are the new holder's now. Until a slot's rebuild is done its lookups find
+what is rebuilt so far, and orphan GC leaves it alone.
 """
 
 from __future__ import annotations
@@ -39,10 +46,14 @@ class Shards:
         # hears the slots each new map gives this metaserver that the one before did not (taken
         # from a metaserver that died or left): the blocks there are rebuilt from the chunkservers
         self.on_gain: Callable[[set[int]], None] = lambda slots: None
+        # hears the slots a new map took from this metaserver: their rows are forgotten
+        self.on_lose: Callable[[set[int]], None] = lambda slots: None
         self._held: set[int] | None = None  # the slots of the last map read; None before the first
         self.rebuilding: set[int] = set()  # slots taken over whose rebuild has not finished
+        self._to_rebuild: set[int] = set()  # gained, waiting for the old holders to let go
         if lease is not None:
             lease.on_map = self._on_map
+            lease.on_settled = self._on_settled
 
     def _on_map(self, m: ShardMap) -> None:
         mine = set(m.slots_of(self.me.id)) if any(o.id == self.me.id for o in m.owners) else set()
@@ -50,13 +61,24 @@ class Shards:
         if held is None:
             return
         if lost := held - mine:
-            log.info("metaserver %s no longer answers for %d hash slots (shard map epoch %d)", self.me.id, len(lost),
-                     m.epoch)
+            log.info("metaserver %s no longer answers for %d hash slots (shard map epoch %d): forgetting their "
+                     "blocks (their chunks are the new holder's)", self.me.id, len(lost), m.epoch)
+            self.rebuilding -= lost
+            self._to_rebuild -= lost
+            self.on_lose(lost)
         if gained := mine - held:
-            log.info("metaserver %s now answers for %d more hash slots (shard map epoch %d): rebuilding their "
-                     "blocks from the chunkservers; meanwhile their lookups find nothing cached", self.me.id,
-                     len(gained), m.epoch)
+            log.info("metaserver %s now answers for %d more hash slots (shard map epoch %d): once their holders "
+                     "let go, rebuilding their blocks from the chunkservers; meanwhile their lookups find nothing "
+                     "cached", self.me.id, len(gained), m.epoch)
             self.rebuilding |= gained
+            self._to_rebuild |= gained
+        if not self.lease.pending:
+            self._on_settled()
+
+    def _on_settled(self) -> None:
+        """No slot waits for its old holder any more: the ones gained are rebuilt."""
+        if gained := self._to_rebuild:
+            self._to_rebuild = set()
             self.on_gain(gained)
 
     def rebuilt(self, slots: set[int]) -> None:
@@ -73,11 +95,19 @@ class Shards:
         deletion go by this: until then, a chunk there is not known garbage."""
         return self.lease is None or (self.lease.serves(slot) and slot not in self.rebuilding)
 
+    def answers(self, slot: int) -> bool:
+        """Whether this metaserver answers for `slot` right now (rebuilt or not): only
+        then may it delete the chunks of that slot's blocks."""
+        return self.lease is None or self.lease.serves(slot)
+
     def check(self, slot: int) -> None:
         """Nothing if this metaserver answers for `slot` now; else Moved or Unavailable."""
         if self.lease is None or self.lease.serves(slot):
             return
         m: ShardMap | None = self.lease.shard_map
+        if m is not None and self.lease.serving() and slot in self.lease.pending:
+            raise Unavailable(f"hash slot {slot} is being handed over to metaserver {self.me.id} (shard map epoch "
+                              f"{m.epoch}): it answers once the old holder has let go; ask again shortly")
         if m is not None and self.lease.serving():
             owner = m.owner_of(slot)
             raise Moved(f"moved: hash slot {slot} is answered for by metaserver {owner.id} at {owner.address} "
@@ -87,6 +117,15 @@ class Shards:
 
     def map(self) -> ShardMap | None:
         return self.lease.shard_map if self.lease is not None else None
+
+    def addresses(self) -> list[str]:
+        """Every metaserver of the cluster: the map's owners, then members it does not
+        list yet (a metaserver joining, waiting for chunkservers to register with it).
+        Empty alone."""
+        m = self.map()
+        if m is None:
+            return []
+        return list(dict.fromkeys([*(o.address for o in m.owners), *self.lease.members.values()]))
 
     def share(self) -> float:
         """This metaserver's share of the slots in the map it holds (1 alone; 0 while it holds none)."""

@@ -551,6 +551,11 @@ class MetaState:
         return bool(self.blocks.holds(owner.namespace_digest + owner.block_key, chunk_id,
                                       self.servers[server_id].number))
 
+    def forget_slice(self, slots: set[int], after: bytes, limit: int = 16) -> tuple[int, bytes | None]:
+        """Forgets (BlockTable.forget) the blocks of hash slots handed to another
+        metaserver, up to `limit` row groups from `after`: (blocks, next start or None)."""
+        return self.blocks.forget(slots, after, limit)
+
     # ---- rebuild --------------------------------------------------------
 
     def rebuild_begin(self) -> None:

@@ -95,10 +95,12 @@ class LostChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[bytes] = ..., owner: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("register_again",)
+    __slots__ = ("register_again", "metaservers")
     REGISTER_AGAIN_FIELD_NUMBER: _ClassVar[int]
+    METASERVERS_FIELD_NUMBER: _ClassVar[int]
     register_again: bool
-    def __init__(self, register_again: _Optional[bool] = ...) -> None: ...
+    metaservers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, register_again: _Optional[bool] = ..., metaservers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AllocateBlocksRequest(_message.Message):
     __slots__ = ("namespace", "keys", "layout", "parent", "first_key")
@@ -285,7 +287,7 @@ class ServerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s", "repair_backlog", "repair_copied_chunks", "repair_copied_bytes", "repair_failed_copies")
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s", "repair_backlog", "repair_copied_chunks", "repair_copied_bytes", "repair_failed_copies", "forgotten_blocks")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +308,7 @@ class StatusReply(_message.Message):
     REPAIR_COPIED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     REPAIR_COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FAILED_COPIES_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     blocks: int
     block_bytes: int
@@ -326,7 +329,8 @@ class StatusReply(_message.Message):
     repair_copied_chunks: int
     repair_copied_bytes: int
     repair_failed_copies: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ..., repair_backlog: _Optional[int] = ..., repair_copied_chunks: _Optional[int] = ..., repair_copied_bytes: _Optional[int] = ..., repair_failed_copies: _Optional[int] = ...) -> None: ...
+    forgotten_blocks: int
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ..., repair_backlog: _Optional[int] = ..., repair_copied_chunks: _Optional[int] = ..., repair_copied_bytes: _Optional[int] = ..., repair_failed_copies: _Optional[int] = ..., forgotten_blocks: _Optional[int] = ...) -> None: ...
 
 class UsageRequest(_message.Message):
     __slots__ = ("tenants",)

@@ -114,15 +114,15 @@ async def test_two_metaservers_split_the_slots_and_send_callers_to_the_holder(tm
         # a clean stop revokes ms-a's lease: ms-b holds every slot soon after, in a newer map
         await asyncio.to_thread(servers[0].stop)
 
-        async def all_at_b():
+        async def all_at_b():  # in the map, and answered for (the handover over)
             try:
-                return (await shard_map(b)).counts().get("ms-b") == HASH_SLOTS
+                return (await shard_map(b)).counts().get("ms-b") == HASH_SLOTS and \
+                    (await b.MatchPrefix(lookup(in_a), timeout=10)).matched == 0  # nothing of ms-a's: not cached
             except grpc.aio.AioRpcError:
                 return False
 
-        await until(all_at_b, timeout=30, what="ms-b holding every slot")
+        await until(all_at_b, timeout=30, what="ms-b holding and answering for every slot")
         assert (await shard_map(b)).epoch > m.epoch
-        assert (await b.MatchPrefix(lookup(in_a), timeout=10)).matched == 0  # nothing of ms-a's here: not cached
         # the SDK's map still sends ms-a's prompts to ms-a, which is gone: it reads the map again
         assert (await client.lookup(NS, tokens_in(mine["ms-a"], 0))).matched == 0
         assert client.router.refreshes == 2 and client.router.map.counts() == {"ms-b": HASH_SLOTS}
@@ -196,3 +196,63 @@ async def test_a_local_cluster_of_two_metaservers_serves_the_sdk(tmp_path):
         assert sum(st.blocks for st in statuses) == 2 * len(prompts) and all(st.blocks for st in statuses)
         assert all(sum(s.live for s in st.servers) == 3 for st in statuses)  # each chunkserver on both
     assert not cluster.etcd.alive()
+
+
+async def test_a_metaserver_added_to_a_running_cluster_takes_a_share_and_serves_its_prompts(tmp_path):
+    # rebalancing: a third metaserver joins a cluster of two holding cached prompts. The
+    # chunkservers learn of it from heartbeats, the map gives it a third of the slots, it
+    # rebuilds their blocks from the chunkservers, the old holders forget theirs (and
+    # delete no chunk), and a worker that knows only the first two restores every prompt
+    from kvfs.cli.launcher import LocalCluster, meta_status
+    from kvfs.layout import BlockLayout
+
+    from helpers import layer_major, restore_all, tokens_for
+
+    layout = BlockLayout(layers=2, block_tokens=64, kv_dim=64, dtype="bfloat16")
+    prompts = [tokens_for(2, seed=s) for s in range(30)]
+    with LocalCluster(tmp_path, chunkservers=3, metaservers=2) as cluster:
+        first_two = cluster.meta_addresses
+        async with Client(first_two, credentials=cluster.worker) as client:
+            payloads = []
+            for tokens in prompts:
+                payloads.append(layer_major(layout, [os.urandom(layout.payload_bytes) for _ in range(2)]))
+                await client.write(NS, tokens, payloads[-1], layout)
+            before = client.router.map
+            firsts = [(await client.keys(NS, t))[0] for t in prompts]
+
+        def statuses():
+            return [meta_status(m.address, credentials=cluster.admin) for m in cluster.metas]
+
+        chunks = 2 * len(prompts) * cluster.replicas  # a block is one chunk here (16 KiB)
+        await until(lambda: sum(s.chunk_count for s in statuses()[0].servers) == chunks, timeout=30,
+                    what="heartbeats counting every chunk")
+        third = cluster.add_metaserver()
+        assert third.address not in first_two
+        # every chunkserver registers with it (named in the others' heartbeat replies)
+        cluster.wait_until(lambda st: sum(s.live for s in st.servers) == 3, timeout=30,
+                           what="the chunkservers registered with the new metaserver", address=third.address)
+
+        async def map_of_three():
+            async with Client(first_two, credentials=cluster.worker) as c:
+                await c.router.refresh()
+                return c.router.map if len(c.router.map.owners) == 3 else None
+
+        after = await until(map_of_three, timeout=30, interval=0.2, what="the map giving the new metaserver slots")
+        assert after.epoch == before.epoch + 1
+        moved = [i for i, k in enumerate(firsts) if after.route(k).address == third.address]
+        assert moved, "no prompt landed in the slots that moved (30 prompts, a third of the slots)"
+        assert all(before.route(firsts[i]).address != third.address for i in moved)
+        # rebuilt there, forgotten where they were: every block is on exactly one metaserver
+        cluster.wait_until(lambda st: st.blocks == 2 * len(moved), timeout=60, what="the moved prompts rebuilt",
+                           address=third.address)
+        await until(lambda: sum(st.blocks for st in statuses()) == 2 * len(prompts), timeout=60,
+                    what="the old holders forgetting the moved prompts")
+        assert sum(st.forgotten_blocks for st in statuses()) == 2 * len(moved)
+        assert all(st.gc_deleted_chunks == 0 for st in statuses())
+        assert sum(s.chunk_count for s in statuses()[0].servers) == chunks
+        async with Client(first_two, credentials=cluster.worker) as client:
+            for tokens, payload in zip(prompts, payloads):
+                match = await client.lookup(NS, tokens)
+                assert match.matched == 2
+                assert (await restore_all(client, match, layout))[0] == payload
+            assert client.router.map.epoch == after.epoch

@@ -43,7 +43,7 @@ def state_metrics(samples: dict) -> dict:
               "open_allocations": "kvfs_meta_open_allocations", "chains": "kvfs_meta_chains",
               "evicted_blocks": "kvfs_meta_evicted_blocks_total", "expired_blocks": "kvfs_meta_expired_blocks_total",
               "stranded_blocks": "kvfs_meta_stranded_blocks_total", "blocks_lost": "kvfs_meta_blocks_lost_total",
-              "replicas_lost": "kvfs_meta_replicas_lost_total",
+              "replicas_lost": "kvfs_meta_replicas_lost_total", "forgotten_blocks": "kvfs_meta_forgotten_blocks_total",
               "gc_deleted_chunks": "kvfs_meta_gc_deleted_chunks_total"}
     out = {field: samples[(metric, ())] for field, metric in fields.items()}
     out["live"] = samples[("kvfs_meta_servers", (("state", "live"),))]
@@ -57,7 +57,8 @@ def state_metrics(samples: dict) -> dict:
 def status_fields(st: meta_pb2.StatusReply) -> dict:
     out = {f: getattr(st, f) for f in ("blocks", "block_bytes", "cache_bytes", "cache_capacity_bytes",
                                        "open_allocations", "chains", "evicted_blocks", "expired_blocks",
-                                       "stranded_blocks", "blocks_lost", "replicas_lost", "gc_deleted_chunks")}
+                                       "stranded_blocks", "blocks_lost", "replicas_lost", "forgotten_blocks",
+                                       "gc_deleted_chunks")}
     out["live"] = sum(s.live for s in st.servers)
     out["dead"] = sum(not s.live for s in st.servers)
     out["used"] = {s.id: s.used_bytes for s in st.servers}

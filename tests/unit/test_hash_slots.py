@@ -10,9 +10,11 @@ import pytest
 
 from kvfs.errors import InvalidArgument
 from kvfs.keys import Namespace, block_keys
-from kvfs.metaserver.records import row_hash_slot
+from kvfs.metaserver.records import ROW, row_hash_slot
 from kvfs.proto import chunk_pb2, meta_pb2
 from kvfs.shards import hash_slot
+
+from helpers import assert_metadata_consistent
 
 NS = Namespace("t", "slots")
 LAYOUT_MSG = meta_pb2.BlockLayout(layers=4, block_tokens=4, kv_dim=8, dtype="bfloat16")  # 256-byte blocks
@@ -130,3 +132,28 @@ def test_chunks_filed_under_slots_another_metaserver_answers_for_are_left_alone(
     assert state.rebuild_stage("cs-0", infos) == 1 and state.forged_owners == 0
     assert state.rebuild_slice() == (1, 0)
     assert state.match(NS.digest, keys[2:3]).matched == 1 and state.match(NS.digest, keys[1:2]).matched == 0
+
+
+def test_slots_handed_over_are_forgotten_with_their_chunks_kept_and_never_deleted_here(make_state):
+    state = make_state()
+    prompts = [block_keys(NS, range(1000 * p, 1000 * p + 40), 4) for p in range(12)]  # 10 blocks each
+    for keys in prompts:
+        commit(state, state.allocate(NS.digest, keys, LAYOUT_MSG))
+    slots = [hash_slot(k[0]) for k in prompts]
+    gone = set(slots[:5])  # handed to another metaserver
+    kept = [k for k, s in zip(prompts, slots) if s not in gone]
+    assert len(kept) == 7
+    state.blocks.answers = lambda slot: slot not in gone
+    # removing a block of a slot handed over (eviction, expiry, loss) deletes no chunk: they are the
+    # new holder's now; a block of a slot still here takes its chunks with it
+    assert state.blocks.drop([NS.digest + prompts[0][-1]]) == []
+    assert len(state.blocks.drop([NS.digest + kept[0][-1]])) == 1
+    before, left = len(state.blocks), sum(s in gone for s in slots) * 10 - 1
+    after, forgotten = ROW, 0
+    while after is not None:  # a slice of 2 row groups at a time, as the server's turns take them
+        n, after = state.forget_slice(gone, after, 2)
+        forgotten += n
+    assert forgotten == left and state.blocks.forgotten == left and len(state.blocks) == before - left
+    assert not any(raw for keys in prompts[:5] for raw in state.blocks.rows([NS.digest + k for k in keys]))
+    assert state.match(NS.digest, kept[1]).matched == 10  # the rest is untouched
+    assert_metadata_consistent(state)
