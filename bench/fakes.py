@@ -7,9 +7,10 @@ is gone; the parent kills it in any case when the bench ends.
 FakeChunkservers: N servers in distinct failure domains that register with a
 large capacity, heartbeat as real chunkservers do (every heartbeat_interval,
 10 s deadline, registering again when told) and answer the calls the
-metaserver makes (ListChunks: an empty page; DeleteChunks: all deleted;
-CopyChunk: copied). They store nothing and report nothing used. One server's
-heartbeats can be stopped and resumed, to make the metaserver repair.
+metaserver makes (ListChunks: an empty page, or with `inventory` a synthetic
+one, see Inventory; DeleteChunks: all deleted; CopyChunk: copied). They store
+nothing and report nothing used. One server's heartbeats can be stopped and
+resumed, to make the metaserver repair.
 
 StallProbe: a health Check to the metaserver every 10 ms, one at a time; its
 latency is how long the metaserver's event loop leaves a cheap call waiting.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import hashlib
 import multiprocessing
 import os
 import threading
@@ -65,9 +67,50 @@ class Child:
         self.proc.join(5)
 
 
+class Inventory:
+    """What `kvfs-bench rebuild`'s fakes list: `blocks` MLA blocks of 2 chunks (1 MiB
+    cut), block b's chunks on servers b, b+1, ... (mod n), `replicas` of them, with
+    owner records as a metaserver issues them (unsealed: the bench's metaserver runs
+    --insecure, as every fake does). Chunk ids start with the block number, so a
+    page resumes from its cursor without any state."""
+
+    def __init__(self, blocks: int, n: int, replicas: int):
+        from kvfs.layout import BlockLayout
+        from kvfs.shards import hash_slot
+
+        self.blocks, self.n, self.replicas, self._slot = blocks, n, replicas, hash_slot
+        layout = BlockLayout.mla()
+        self.layout = meta_pb2.BlockLayout(layers=layout.layers, block_tokens=layout.block_tokens,
+                                           kv_dim=layout.kv_dim, dtype=layout.dtype)
+        self.spans = layout.chunks(1 << 20)
+        self.namespace = hashlib.blake2b(b"kvfs-bench rebuild", digest_size=16).digest()
+
+    def block_key(self, b: int) -> bytes:
+        return hashlib.blake2b(b.to_bytes(8, "big"), digest_size=16).digest()
+
+    def page(self, server: int, start_after: bytes, limit: int) -> chunk_pb2.ListChunksReply:
+        b = int.from_bytes(start_after[:8], "big") + 1 if start_after else 0
+        reply = chunk_pb2.ListChunksReply()
+        while b < self.blocks and len(reply.chunks) < limit:
+            if (server - b) % self.n < self.replicas:
+                key = self.block_key(b)
+                for span in self.spans:
+                    chunk_id = b.to_bytes(8, "big") + key[:7] + bytes([span.index])
+                    owner = meta_pb2.ChunkOwner(namespace_digest=self.namespace, block_key=key,
+                                                chunk_index=span.index, chunk_count=len(self.spans),
+                                                layout=self.layout, chunk_size=1 << 20, hash_slot=self._slot(key))
+                    reply.chunks.add(chunk_id=chunk_id, length=span.length, checksum=b, created=1e9,
+                                     owner=owner.SerializeToString())
+                last = b
+            b += 1
+        if b < self.blocks and reply.chunks:
+            reply.next_start_after = last.to_bytes(8, "big") + bytes(8)
+        return reply
+
+
 class FakeChunkservers(Child):
-    def __init__(self, meta_address: str, n: int, capacity_bytes: int):
-        super().__init__(_fakes_main, meta_address, n, capacity_bytes)
+    def __init__(self, meta_address: str, n: int, capacity_bytes: int, inventory: int = 0, replicas: int = 2):
+        super().__init__(_fakes_main, meta_address, n, capacity_bytes, inventory, replicas)
         self.n = n
         self.addresses: list[str] = []
         self.heartbeat_interval = 0.0
@@ -101,19 +144,21 @@ def server_id(i: int) -> str:
     return f"fake-{i}"
 
 
-def _fakes_main(conn, meta_address: str, n: int, capacity: int) -> None:
+def _fakes_main(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int) -> None:
     try:
-        asyncio.run(_serve_fakes(conn, meta_address, n, capacity))
+        asyncio.run(_serve_fakes(conn, meta_address, n, capacity, inventory, replicas))
     except Exception as err:  # the parent sees why, instead of a timeout
         conn.send(RuntimeError(f"fake chunkservers failed: {err!r}"))
 
 
-async def _serve_fakes(conn, meta_address: str, n: int, capacity: int) -> None:
+async def _serve_fakes(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int) -> None:
     counts: collections.Counter = collections.Counter()
     servers, registrations = [], []
+    listed = Inventory(inventory, n, replicas) if inventory else None
     for i in range(n):
         server = grpc.aio.server()
-        chunk_pb2_grpc.add_ChunkServiceServicer_to_server(_FakeChunkService(server_id(i), capacity, counts), server)
+        chunk_pb2_grpc.add_ChunkServiceServicer_to_server(
+            _FakeChunkService(server_id(i), capacity, counts, (i, listed) if listed else None), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
@@ -165,12 +210,17 @@ class _FakeChunkService(chunk_pb2_grpc.ChunkServiceServicer):
     """The ChunkService calls the metaserver makes, answered without storing anything
     (the base class answers UNIMPLEMENTED to the rest: WriteChunk, ReadChunks)."""
 
-    def __init__(self, sid: str, capacity: int, counts: collections.Counter):
-        self.sid, self.capacity, self.counts = sid, capacity, counts
+    def __init__(self, sid: str, capacity: int, counts: collections.Counter, listed=None):
+        self.sid, self.capacity, self.counts, self.listed = sid, capacity, counts, listed
 
     async def ListChunks(self, request, context):
         self.counts["lists"] += 1
-        return chunk_pb2.ListChunksReply()
+        if self.listed is None:
+            return chunk_pb2.ListChunksReply()
+        i, inventory = self.listed
+        reply = inventory.page(i, request.start_after, request.limit or 1000)
+        self.counts["listed"] += len(reply.chunks)
+        return reply
 
     async def DeleteChunks(self, request, context):
         self.counts["deletes"] += 1

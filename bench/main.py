@@ -272,6 +272,30 @@ def _vllm(args) -> int:
     return 0
 
 
+def _rebuild(args) -> int:
+    from .meta import parse_count
+    from .rebuild import run_rebuild
+
+    blocks = parse_count(args.blocks)
+    with _scratch(args.data_dir) as root:
+        console.print(f"kvfs-bench rebuild: one real metaserver (--insecure) rebuilds {blocks:,} MLA blocks from "
+                      f"the inventories of {args.servers} FAKE chunkservers in a child process (synthetic owner "
+                      f"records, unsealed; nothing stored), {args.replicas} copies of each chunk; data in {root}")
+        r = asyncio.run(run_rebuild(root, blocks, args.servers, args.replicas, log=console.print))
+    table = Table(title="rebuild from chunkserver inventories (fake servers)")
+    for col in ("blocks", "restored", "seconds", "s per 1M blocks", "loop CPU s per 1M", "+ seal checks",
+                "health p99 / max ms"):
+        table.add_column(col, justify="right")
+    probe = r["health_probe_during"]
+    table.add_row(f"{r['blocks']:,}", f"{r['restored']:,}", f"{r['seconds']:.1f}", f"{r['seconds_per_million']:.0f}",
+                  f"{r['loop_cpu_seconds_per_million']:.0f}" if r["loop_cpu_seconds_per_million"] else "-",
+                  f"{r['seconds_per_million_with_seals']:.0f}",
+                  f"{probe.get('p99_ms', 0):.1f} / {probe.get('max_ms', 0):.1f}")
+    console.print(table)
+    _write_json(args.json, {"bench": "rebuild", **_host(), "results": r})
+    return 0 if r["restored"] == blocks and r["blocks_after"] == blocks else 1
+
+
 def _meta(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -659,6 +683,12 @@ def main(argv: list[str] | None = None) -> int:
     meta.add_argument("--heartbeat-interval", help="metaserver setting (default: its own)")
     meta.add_argument("--heartbeat-timeout", help="metaserver setting (default: its own)")
     meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
+    rebuild = sub.add_parser("rebuild", help="a real metaserver rebuilding its metadata from chunkserver "
+                                             "inventories (fake chunkservers): seconds per million blocks")
+    rebuild.add_argument("--blocks", default="200K", help="blocks the inventories hold: 20000, 200K, 1M")
+    rebuild.add_argument("--servers", type=int, default=4, help="fake chunkservers")
+    rebuild.add_argument("--replicas", type=int, default=2, help="copies of each chunk")
+    rebuild.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
     tenants = sub.add_parser("tenants", help="one tenant's restore latency while another floods the same "
                                              "chunkservers, without and with per-tenant read pacing")
     tenants.add_argument("--rate", default="64MiB", help="tenant_read_rate of the paced configuration")
@@ -687,14 +717,14 @@ def main(argv: list[str] | None = None) -> int:
     shards.add_argument("--metaservers", default="2,4,8", help="metaserver counts to compare")
     shards.add_argument("--block-tokens", type=int, default=64, help="tokens under a prompt's first block key")
     shards.add_argument("--limit", type=int, help="only the first N requests")
-    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, tenants, mixed, shards):
+    for p in (io, prefix, ttft, restore, trace, faults, vllm, meta, rebuild, tenants, mixed, shards):
         p.add_argument("--json", help="write the report here")
     for p in (restore, trace):
         p.add_argument("--plot", help="draw time-to-first-token CDFs per policy into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     return {"io": _io, "prefix": _prefix, "ttft": _ttft, "restore": _restore, "trace": _trace,
-            "faults": _faults, "vllm": _vllm, "meta": _meta, "tenants": _tenants, "mixed": _mixed,
-            "shards": _shards}[args.cmd](args)
+            "faults": _faults, "vllm": _vllm, "meta": _meta, "rebuild": _rebuild, "tenants": _tenants,
+            "mixed": _mixed, "shards": _shards}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -249,9 +249,11 @@ class Slots:
         self.claimed: set[tuple[bytes, int]] = set()
         self.free: dict[bytes, tuple[int, int]] = {}  # namespace -> a range of slots known to hold no row
 
-    def place(self, full: bytes, parent: bytes | None) -> int:
+    def place(self, full: bytes, parent: bytes | None, after: int | None = None) -> int:
+        """`after`: the slot to follow where the block has no parent here to follow."""
         ns = full[:KEY_BYTES]
-        after = self.of.get(parent) if parent is not None else None
+        if parent is not None:
+            after = self.of.get(parent)
         if after is not None and self._free(ns, after + 1):
             slot = after + 1
         else:
@@ -314,6 +316,7 @@ class BlockTable:
         # filed under one it does not leaves without its chunks, which are another's now
         self.answers: Callable[[int], bool] = lambda slot: True
         self.forgotten = 0  # blocks of slots handed to another metaserver, removed without their chunks
+        self.dense_tail: dict[bytes, int] = {}  # per namespace, the slot of the last block a rebuild placed
         self.usage = Usage(db, clock, cfg.usage_max_tenants)  # per tenant, moved with the blocks
         # lookups answered, the keys they asked for and the blocks they matched (metrics.py)
         self.lookups = self.lookup_blocks_requested = self.lookup_blocks_matched = 0
@@ -584,13 +587,16 @@ class BlockTable:
     # ---- commit ----------------------------------------------------------
 
     def add(self, batch: Batch, new: list[tuple[bytes, Row]], replaced: dict[bytes, Row] | None = None,
-            check_short: bool = False) -> list[meta_pb2.StoredChunk]:
+            check_short: bool = False, dense: bool = False) -> list[meta_pb2.StoredChunk]:
         """Stages newly committed blocks (parents before children; each one's parent
         is committed or among `new`) with their index entries. `replaced` are the
         expired rows some of them take the place of (their children stay theirs);
         returns the replaced blocks' chunks, for deletion. With `check_short`, blocks
         with a chunk on fewer than `replicas` servers join repair's queue (placement
-        never makes such blocks; a rebuild can find them)."""
+        never makes such blocks; a rebuild can find them). With `dense` (a rebuild,
+        whose blocks come without parents), blocks without a parent take consecutive
+        slots, not a run each: a run of its own per block was a row group per block
+        (about 2 KiB of disk, and a group packed whole per block)."""
         replaced = replaced or {}
         garbage = []
         fresh = dict(new)
@@ -643,7 +649,10 @@ class BlockTable:
             row.rank = self.ranks.rank(row.hits, row.last_used)
             self.ranks.counted(row.rank, 1)
             old = replaced.get(full)
-            row.slot = old.slot if old is not None else slots.place(full, parent)
+            tail = self.dense_tail.get(full[:KEY_BYTES]) if dense and parent is None else None
+            row.slot = old.slot if old is not None else slots.place(full, parent, tail)
+            if dense and parent is None:
+                self.dense_tail[full[:KEY_BYTES]] = row.slot
             slots.of[full] = row.slot
             if old is None:
                 batch.put(BLOCK + full, u64(row.slot))

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DELETE_BATCH = 1000
 LIST_PAGE = 1000
+STAGE_PIECE = 128  # inventory entries a rebuild stages per turn: about a slice's time
 RPC_TIMEOUT = 30
 # Blocks one slice of a background pass touches: 1-2 ms of work at the slowest. (Eviction's
 # slices are bounded by time as well, MetaState.slice_seconds(): its cost per block grows with the database.)
@@ -180,16 +181,25 @@ class Lifecycle:
             log.exception("delete pass failed")
 
     async def _inventory_pages(self, server_id: str):
-        """Every chunk on a server, a page (LIST_PAGE chunks) at a time."""
+        """Every chunk on a server, a page (LIST_PAGE chunks) at a time; the next page is
+        asked for before this one is handed out (the server lists it while we work)."""
         stub = self._stub(server_id)
-        after = b""
-        while True:
-            reply = await stub.ListChunks(chunk_pb2.ListChunksRequest(start_after=after, limit=LIST_PAGE),
-                                          timeout=RPC_TIMEOUT)
-            yield reply.chunks
-            if not reply.next_start_after:
-                return
-            after = reply.next_start_after
+
+        def ask(after: bytes):
+            return asyncio.ensure_future(stub.ListChunks(
+                chunk_pb2.ListChunksRequest(start_after=after, limit=LIST_PAGE), timeout=RPC_TIMEOUT))
+
+        pending = ask(b"")
+        try:
+            while True:
+                reply = await pending
+                pending = ask(reply.next_start_after) if reply.next_start_after else None
+                yield reply.chunks
+                if pending is None:
+                    return
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     async def _collect_orphans(self, server_id: str, pace: float = 0.0) -> int:
         """Queues for deletion the chunks on one server that no committed block lists
@@ -301,9 +311,11 @@ class Lifecycle:
             seen = 0
             for sid in self.state.live_servers():
                 async for page in self._inventory_pages(sid):
-                    async with self.turn():
-                        self.state.rebuild_stage(sid, page, slots)
+                    for at in range(0, len(page), STAGE_PIECE):  # a page is 1,000 chunks: ~10 ms of work
+                        async with self.turn():
+                            self.state.rebuild_stage(sid, page[at : at + STAGE_PIECE], slots)
                     seen += len(page)
+            staged = time.monotonic()
             restored = incomplete = 0
             while True:
                 async with self.turn():
@@ -311,9 +323,9 @@ class Lifecycle:
                 if not r and not i:
                     break
                 restored, incomplete = restored + r, incomplete + i
-            log.info("rebuild%s: %d chunks seen, %d blocks restored, %d incomplete, in %.1f s",
-                     f" of {len(slots)} hash slots" if slots is not None else "", seen, restored, incomplete,
-                     time.monotonic() - t0)
+            log.info("rebuild%s: %d chunks seen, %d blocks restored, %d incomplete, in %.1f s (%.1f s listing and "
+                     "staging inventories)", f" of {len(slots)} hash slots" if slots is not None else "", seen,
+                     restored, incomplete, time.monotonic() - t0, staged - t0)
             if self.state.forged_owners:
                 log.warning("rebuild: ignored %d chunks whose owner records the metaserver did not seal (written "
                             "outside an allocation, or under another cluster key)", self.state.forged_owners)

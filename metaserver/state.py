@@ -623,7 +623,7 @@ class MetaState:
                 new.append((full, row))
                 restored += 1
         batch = Batch()
-        self.blocks.add(batch, new, check_short=True)
+        self.blocks.add(batch, new, check_short=True, dense=True)
         for key in staged_keys:
             batch.delete(key)
         self.db.write(batch)

@@ -321,6 +321,37 @@ def test_rebuild_restores_complete_blocks_a_slice_at_a_time_from_staged_inventor
     assert_metadata_consistent(state)
 
 
+def test_rebuilt_blocks_share_row_groups(make_state):
+    # owner records name no parent, so every rebuilt block is a root; placed each at the start
+    # of a run of its own, each took a row group of its own (~2 KiB apiece)
+    from kvfs.metaserver import records
+    from kvfs.metaserver.groups import GROUP_SLOTS
+    from kvfs.proto import chunk_pb2
+
+    from helpers import keys_under
+
+    state = make_state()
+    keys = block_keys(NS, range(4 * 300), 4)
+    infos = [chunk_pb2.ChunkInfo(chunk_id=k, length=LAYOUT.payload_bytes, checksum=5, created=900.0,
+                                 owner=meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=k, chunk_index=0,
+                                                           chunk_count=1, layout=LAYOUT_MSG,
+                                                           chunk_size=64 * 1024).SerializeToString())
+             for k in keys]
+    state.rebuild_begin()
+    assert state.rebuild_stage("cs-0", infos) == 300
+    restored = 0
+    while (done := state.rebuild_slice(limit=7)) != (0, 0):
+        restored += done[0]
+    assert restored == 300 and len(state.blocks) == 300
+    assert len(keys_under(state, records.ROW)) <= 300 // GROUP_SLOTS + 1
+    # a write continuing a rebuilt block (its parent) still works: its slot was taken, so a fresh run
+    longer = block_keys(NS, [*range(4), 7, 7, 7, 7], 4)
+    assert longer[0] == keys[0] and longer[1] not in keys
+    write(state, longer[1:], parent=keys[0])
+    assert state.match(NS.digest, longer).matched == 2
+    assert_metadata_consistent(state)
+
+
 def test_a_rebuild_takes_only_owner_records_the_metaserver_sealed(make_state):
     import os
 
