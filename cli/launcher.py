@@ -225,10 +225,17 @@ def free_loopback_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def etcd_healthy(endpoint: str) -> bool:
-    """Whether the etcd member at `endpoint` (host:port) says it is healthy (has a leader)."""
+def etcd_healthy(endpoint: str, credentials: Credentials | None = None) -> bool:
+    """Whether the etcd member at `endpoint` (host:port) says it is healthy (has a
+    leader); over mutual TLS with `credentials`."""
     try:
-        with _NO_PROXY.open(f"http://{endpoint}/health", timeout=1) as reply:
+        if credentials is None:
+            reply = _NO_PROXY.open(f"http://{endpoint}/health", timeout=1)
+        else:
+            https = urllib.request.HTTPSHandler(context=credentials.ssl_context(server=False))
+            reply = urllib.request.build_opener(urllib.request.ProxyHandler({}), https).open(
+                f"https://{endpoint}/health", timeout=1)
+        with reply:
             return b'"true"' in reply.read()
     except OSError:
         return False
@@ -237,29 +244,40 @@ def etcd_healthy(endpoint: str) -> bool:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback and test bridges only
 
 
-def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeout: float = 30) -> ServerProcess:
+def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeout: float = 30,
+               ca: LocalCA | None = None) -> ServerProcess:
     """One etcd member on loopback (Debian's etcd-server), for a local cluster of
     several metaservers; returns once it is healthy. A real cluster runs three or
-    five members on hosts of their own. Plaintext: it is reached from this host only."""
+    five members on hosts of their own. With `ca`, clients speak mutual TLS to it
+    (a server certificate from that CA; a client certificate from it demanded);
+    without, plaintext."""
     if shutil.which("etcd") is None:
         raise LaunchError("several metaservers need etcd, which is not installed (Debian: apt-get install "
                           "etcd-server)")
     run_dir = pathlib.Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    client, peer = (f"http://127.0.0.1:{p}" for p in free_loopback_ports(2))
+    scheme = "https" if ca is not None else "http"
+    client_port, peer_port = free_loopback_ports(2)
+    client, peer = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"  # one member: no peers
+    tls_flags, probe = [], None
+    if ca is not None:
+        ca_file, cert, key = ca.issue_files("etcd", [SERVER], hosts=tls.LOCAL_HOSTS)
+        tls_flags = ["--cert-file", str(cert), "--key-file", str(key), "--client-cert-auth",
+                     "--trusted-ca-file", str(ca_file)]
+        probe = ca.credentials("etcd-probe", [ADMIN])
     log_path = run_dir / "etcd.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
             ["etcd", "--name", "local", "--data-dir", str(data_dir), "--listen-client-urls", client,
              "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"local={peer}", "--force-new-cluster"],
+             "--initial-cluster", f"local={peer}", "--force-new-cluster", *tls_flags],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = ServerProcess("etcd", proc, client.removeprefix("http://"), log_path)
+    server = ServerProcess("etcd", proc, client.split("://", 1)[1], log_path)
     deadline = time.monotonic() + timeout
     while True:
         if not server.alive():
             raise LaunchError(f"etcd exited with {proc.returncode} before serving:\n{server.log_tail()}")
-        if etcd_healthy(server.address):
+        if etcd_healthy(server.address, probe):
             return server
         if time.monotonic() > deadline:
             server.kill()
@@ -308,6 +326,9 @@ class LocalCluster:
         self.metrics = metrics
         self.insecure = insecure
         self.ca = None if insecure else local_ca(self.root)
+        # etcd's clients (the metaservers) hold certificates from a CA of their own: etcd
+        # checks the CA, not kvfs's roles, and no worker may write the shard map
+        self.etcd_ca = None if insecure or metaservers == 1 else LocalCA(self.root / "etcd-ca")
         self.n = chunkservers
         self.replicas = replicas
         self.capacity = capacity
@@ -380,7 +401,7 @@ class LocalCluster:
             if len(self.metas) == 1:
                 self.start_metaserver(timeout=timeout)
             else:  # together: each waits for the others before the first shard map is written
-                self.etcd = start_etcd(self.root / "etcd", run_dir=self.root, timeout=timeout)
+                self.etcd = start_etcd(self.root / "etcd", run_dir=self.root, timeout=timeout, ca=self.etcd_ca)
                 self.admin  # noqa: B018 - issued here, once: each start below would write its files at once
                 with ThreadPoolExecutor(len(self.metas)) as pool:
                     for f in [pool.submit(self.start_metaserver, timeout, i) for i in range(len(self.metas))]:
@@ -409,6 +430,9 @@ class LocalCluster:
         if len(self.metas) > 1:
             extra = [*extra, "--etcd", self.etcd.address, "--cluster-name", "local", "--metaserver-id", name,
                      "--expect-metaservers", str(len(self.metas))]
+            if self.etcd_ca is not None:
+                ca, cert, key = self.etcd_ca.issue_files(name, [ADMIN])  # a client of etcd's CA, nothing else
+                extra += ["--etcd-ca", str(ca), "--etcd-cert", str(cert), "--etcd-key", str(key)]
         self.metas[i] = start_metaserver(self.root / name, listen=listen, replicas=self.replicas, extra=extra,
                                          run_dir=self.root, timeout=timeout, env=self.env, netns=netns, ca=self.ca,
                                          name=name)

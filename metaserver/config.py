@@ -120,6 +120,11 @@ class MetaserverConfig:
                                       "on every metaserver of a cluster)")
     expect_metaservers: int = option(1, "with etcd, in a new cluster (no shard map yet): wait for this many "
                                      "metaservers before writing the first map over them")
+    etcd_ca: str = option("", "with etcd: the CA certificate (PEM) etcd's members' certificates chain to; "
+                          "empty: tls_ca. etcd is spoken to over TLS unless insecure")
+    etcd_cert: str = option("", "with etcd: the client certificate (PEM) presented to etcd (its "
+                            "--client-cert-auth); empty: tls_cert")
+    etcd_key: str = option("", "with etcd: that certificate's private key (PEM); empty: tls_key")
     tls_ca: str = option("", "CA certificate (PEM) of the cluster: callers must present a certificate it "
                          "signed (mutual TLS; `kvfs tls` makes one)")
     tls_cert: str = option("", "the metaserver's certificate (PEM): a server certificate with SANs for every host "

@@ -52,7 +52,10 @@ async def serve(cfg: MetaserverConfig) -> None:
         metrics = MetricsServer(cfg.metrics_listen, registry)
         log.info("metrics on http://%s/metrics", metrics.address)
     # among several metaservers: it answers for the slots its lease on etcd holds, none before
-    shards = servicer.shards = sharded.among_several(cfg, address)
+    try:
+        shards = servicer.shards = sharded.among_several(cfg, address)
+    except ValueError as err:
+        raise SystemExit(f"metaserver: etcd: {err}") from None
     state.owns, state.members.share, state.allocations.check_slot = shards.owns, shards.share, shards.check
     state.blocks.answers = shards.answers
     if not shards.alone:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from kvfs import tls
 from kvfs.errors import Moved, Unavailable
 from kvfs.shards import HASH_SLOTS, Owner, ShardMap
 
@@ -141,6 +142,16 @@ class Shards:
         return share
 
 
+def etcd_credentials(cfg: MetaserverConfig) -> tls.Credentials | None:
+    """What the metaserver presents to etcd and checks etcd's members against: the
+    etcd_* files, each defaulting to the metaserver's own TLS file; None (plaintext)
+    only with insecure. ValueError when a file is missing."""
+    if cfg.insecure:
+        return None
+    return tls.Credentials.from_files(cfg.etcd_ca or cfg.tls_ca, cfg.etcd_cert or cfg.tls_cert,
+                                      cfg.etcd_key or cfg.tls_key)
+
+
 def among_several(cfg: MetaserverConfig, address: str) -> Shards:
     """For a metaserver among several (cfg.etcd): its lease on etcd, not started (it
     answers for nothing until `start`); a Shards over every slot where cfg.etcd is empty."""
@@ -150,7 +161,10 @@ def among_several(cfg: MetaserverConfig, address: str) -> Shards:
 
     advertised = cfg.advertise or address
     me = Owner(cfg.metaserver_id or default_id(advertised), advertised)
-    etcd = EtcdClient([e.strip() for e in cfg.etcd.split(",")])
+    creds = etcd_credentials(cfg)
+    etcd = EtcdClient([e.strip() for e in cfg.etcd.split(",")], credentials=creds.channel() if creds else None)
+    log.info("metaserver %s: etcd at %s, %s", me.id, cfg.etcd, f"mutual TLS as {creds.identity}" if creds else
+             "plaintext (insecure)")
     return Shards(SlotLease(etcd, cfg.cluster_name, me, ttl=int(cfg.lease_ttl)), me)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import aetcd
 import grpc
 import pytest
 
@@ -15,6 +16,7 @@ from kvfs.cli.launcher import start_metaserver
 from kvfs.client import Client
 from kvfs.errors import Moved, Unavailable, from_rpc_error
 from kvfs.keys import Namespace, block_keys
+from kvfs.metaserver.coordination import EtcdClient
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 from kvfs.shards import HASH_SLOTS, ShardMap, hash_slot
 
@@ -195,6 +197,18 @@ async def test_a_local_cluster_of_two_metaservers_serves_the_sdk(tmp_path):
         statuses = [meta_status(m.address, credentials=cluster.admin) for m in cluster.metas]
         assert sum(st.blocks for st in statuses) == 2 * len(prompts) and all(st.blocks for st in statuses)
         assert all(sum(s.live for s in st.servers) == 3 for st in statuses)  # each chunkserver on both
+        # etcd (the shard map, the leases) takes only its own CA's clients: not the cluster's worker
+        etcd_root = cluster.etcd_ca.authority.cert
+        for creds in (cluster.worker, cluster.admin):
+            client = EtcdClient([cluster.etcd.address], timeout=3, credentials=grpc.ssl_channel_credentials(
+                root_certificates=etcd_root, private_key=creds.key, certificate_chain=creds.cert))
+            try:
+                with pytest.raises(aetcd.ClientError):
+                    await client.put(b"/kvfs/local/shardmap", b"{}")
+            finally:
+                await client.close()
+        metaserver_log = (tmp_path / "metaserver.log").read_text()
+        assert "etcd at" in metaserver_log and "mutual TLS as 'metaserver'" in metaserver_log
     assert not cluster.etcd.alive()
 
 
