@@ -215,9 +215,12 @@ class SlotLease:
 
     async def start(self, create_over: int = 1, deadline: float = 30.0) -> None:
         """Joins and reads the map; with no map yet, waits for `create_over` members
-        (this one included) and writes an even map over them (one starter wins)."""
+        (this one included) and writes an even map over them (one starter wins).
+        Returns once it answers for its slots: the others acknowledged the map (or,
+        should one of them not within two TTLs, with those slots still pending)."""
         self._stopped = False
         end = self.clock() + deadline
+        confirmed_at = None
         try:
             while True:
                 try:
@@ -225,7 +228,9 @@ class SlotLease:
                         await self._join()
                     await self._map_round(create_over=create_over)
                     if self._confirmed:
-                        break
+                        confirmed_at = confirmed_at or self.clock()
+                        if not self.pending or self.clock() > confirmed_at + 2 * self.ttl:
+                            break
                 except (MemberKeyHeld, ValueError, OSError, grpc.RpcError, aetcd.ClientError,
                         asyncio.TimeoutError) as err:
                     self._note("start", err)
