@@ -161,9 +161,17 @@ class Container:
         return env
 
 
-def kubernetes_docs() -> list[dict]:
-    docs = [d for f in sorted((DEPLOY / "kubernetes").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())
-            if d]
+SEVERAL = DEPLOY / "kubernetes" / "several-metaservers"  # replaces the base metaserver.yaml
+
+
+def kubernetes_docs(several: bool = False) -> list[dict]:
+    """The manifests: the base set (one metaserver), or with `several` the base set
+    with several-metaservers/metaserver.yaml in place of metaserver.yaml."""
+    files = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+    if several:
+        files = [SEVERAL / f.name if (SEVERAL / f.name).exists() else f for f in files]
+        assert any(f.parent == SEVERAL for f in files), "nothing in several-metaservers/ replaces a base manifest"
+    docs = [d for f in files for d in yaml.safe_load_all(f.read_text()) if d]
     assert docs, "no manifests in deploy/kubernetes"
     for d in docs:
         assert d.get("kind") in KINDS, f"{d.get('kind')} {d['metadata']['name']}: add a check for this kind"
@@ -201,10 +209,11 @@ def server_container(c: Container, configmaps: dict[str, dict], tmp_path: pathli
     return dataclasses.replace(c, program=program, cfg=server_config(program, args, env, c.name))
 
 
-@pytest.fixture
-def kube(tmp_path) -> tuple[list[dict], list[Container]]:
-    """Every manifest, and each workload's containers with the config they would load."""
-    docs = kubernetes_docs()
+@pytest.fixture(params=["one metaserver", "several metaservers"])
+def kube(request, tmp_path) -> tuple[list[dict], list[Container]]:
+    """Every manifest, and each workload's containers with the config they would load;
+    once with the base set, once with several metaservers."""
+    docs = kubernetes_docs(several=request.param == "several metaservers")
     configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
     containers = [server_container(Container(w, spec, f"{w['metadata']['name']}-0"), configmaps, tmp_path)
                   for w in docs if w["kind"] in WORKLOADS for spec in w["spec"]["template"]["spec"]["containers"]]
@@ -320,6 +329,30 @@ def test_the_dockerfile_installs_this_package_without_extras_and_runs_its_server
         assert c.spec["image"].rpartition(":")[2] == project["project"]["version"], c.name
     exposed = {int(p) for kind, args in steps if kind == "EXPOSE" for p in args.split()}
     assert exposed == {p for c in containers for p in c.ports.values()}, "EXPOSE is not the servers' ports"
+
+
+def test_several_metaservers_on_kubernetes_each_join_etcd_as_their_pod_over_tls(tmp_path):
+    docs = kubernetes_docs(several=True)
+    configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    (workload,) = [d for d in docs if d["kind"] in WORKLOADS and d["metadata"]["name"] == "kvfs-metaserver"]
+    replicas = workload["spec"]["replicas"]
+    assert replicas >= 2
+    for i in range(replicas):  # each pod as the shard map will list it
+        (spec,) = workload["spec"]["template"]["spec"]["containers"]
+        c = server_container(Container(workload, spec, f"kvfs-metaserver-{i}"), configmaps, tmp_path)
+        cfg = c.cfg
+        assert cfg.metaserver_id == c.pod and cfg.expect_metaservers == replicas and not cfg.insecure
+        governing = workload["spec"]["serviceName"]
+        assert cfg.advertise == f"{c.pod}.{governing}.{POD_FIELDS['metadata.namespace']}.svc:{port(cfg.listen)}"
+        assert len(cfg.etcd.split(",")) >= 3, "etcd runs three or five members"
+        for field in ("etcd_ca", "etcd_cert", "etcd_key"):  # TLS to etcd, from a Secret of its own
+            kind, volume, _ = c.volume_of(getattr(cfg, field))
+            assert kind == "secret" and volume["secret"]["secretName"] != "kvfs-metaserver-tls", field
+    # the chunkservers and workers need one address: the rest come from heartbeat replies and the shard map
+    chunk = next(d for d in docs if d["kind"] in WORKLOADS and d["metadata"]["name"] == "kvfs-chunkserver")
+    (chunk_spec,) = chunk["spec"]["template"]["spec"]["containers"]
+    chunk_cfg = server_container(Container(chunk, chunk_spec, "kvfs-chunkserver-0"), configmaps, tmp_path).cfg
+    assert host(chunk_cfg.meta) == workload["spec"]["serviceName"]
 
 
 def test_kubernetes_configmap_files_load_with_the_real_loader(tmp_path):
