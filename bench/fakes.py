@@ -69,16 +69,17 @@ class Child:
 
 class Inventory:
     """What `kvfs-bench rebuild`'s fakes list: `blocks` MLA blocks of 2 chunks (1 MiB
-    cut), block b's chunks on servers b, b+1, ... (mod n), `replicas` of them, with
-    owner records as a metaserver issues them (unsealed: the bench's metaserver runs
-    --insecure, as every fake does). Chunk ids start with the block number, so a
-    page resumes from its cursor without any state."""
+    cut) in prompts of `chain` blocks, block b's chunks on servers b, b+1, ... (mod n),
+    `replicas` of them, with owner records as a metaserver issues them (each block's
+    parent and depth; unsealed: the bench's metaserver runs --insecure, as every fake
+    does). Chunk ids start with the block number, so a page resumes from its cursor
+    without any state."""
 
-    def __init__(self, blocks: int, n: int, replicas: int):
+    def __init__(self, blocks: int, n: int, replicas: int, chain: int = 1):
         from kvfs.layout import BlockLayout
         from kvfs.shards import hash_slot
 
-        self.blocks, self.n, self.replicas, self._slot = blocks, n, replicas, hash_slot
+        self.blocks, self.n, self.replicas, self.chain, self._slot = blocks, n, replicas, max(1, chain), hash_slot
         layout = BlockLayout.mla()
         self.layout = meta_pb2.BlockLayout(layers=layout.layers, block_tokens=layout.block_tokens,
                                            kv_dim=layout.kv_dim, dtype=layout.dtype)
@@ -93,12 +94,14 @@ class Inventory:
         reply = chunk_pb2.ListChunksReply()
         while b < self.blocks and len(reply.chunks) < limit:
             if (server - b) % self.n < self.replicas:
-                key = self.block_key(b)
+                key, depth = self.block_key(b), b % self.chain
+                first = self.block_key(b - depth)  # the prompt's first block: its slot is the prompt's
                 for span in self.spans:
                     chunk_id = b.to_bytes(8, "big") + key[:7] + bytes([span.index])
                     owner = meta_pb2.ChunkOwner(namespace_digest=self.namespace, block_key=key,
                                                 chunk_index=span.index, chunk_count=len(self.spans),
-                                                layout=self.layout, chunk_size=1 << 20, hash_slot=self._slot(key))
+                                                layout=self.layout, chunk_size=1 << 20, hash_slot=self._slot(first),
+                                                parent=self.block_key(b - 1) if depth else b"", depth=depth)
                     reply.chunks.add(chunk_id=chunk_id, length=span.length, checksum=b, created=1e9,
                                      owner=owner.SerializeToString())
                 last = b
@@ -109,8 +112,9 @@ class Inventory:
 
 
 class FakeChunkservers(Child):
-    def __init__(self, meta_address: str, n: int, capacity_bytes: int, inventory: int = 0, replicas: int = 2):
-        super().__init__(_fakes_main, meta_address, n, capacity_bytes, inventory, replicas)
+    def __init__(self, meta_address: str, n: int, capacity_bytes: int, inventory: int = 0, replicas: int = 2,
+                 chain: int = 1):
+        super().__init__(_fakes_main, meta_address, n, capacity_bytes, inventory, replicas, chain)
         self.n = n
         self.addresses: list[str] = []
         self.heartbeat_interval = 0.0
@@ -144,17 +148,18 @@ def server_id(i: int) -> str:
     return f"fake-{i}"
 
 
-def _fakes_main(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int) -> None:
+def _fakes_main(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int, chain: int) -> None:
     try:
-        asyncio.run(_serve_fakes(conn, meta_address, n, capacity, inventory, replicas))
+        asyncio.run(_serve_fakes(conn, meta_address, n, capacity, inventory, replicas, chain))
     except Exception as err:  # the parent sees why, instead of a timeout
         conn.send(RuntimeError(f"fake chunkservers failed: {err!r}"))
 
 
-async def _serve_fakes(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int) -> None:
+async def _serve_fakes(conn, meta_address: str, n: int, capacity: int, inventory: int, replicas: int,
+                       chain: int) -> None:
     counts: collections.Counter = collections.Counter()
     servers, registrations = [], []
-    listed = Inventory(inventory, n, replicas) if inventory else None
+    listed = Inventory(inventory, n, replicas, chain) if inventory else None
     for i in range(n):
         server = grpc.aio.server()
         chunk_pb2_grpc.add_ChunkServiceServicer_to_server(

@@ -278,10 +278,11 @@ def _rebuild(args) -> int:
 
     blocks = parse_count(args.blocks)
     with _scratch(args.data_dir) as root:
-        console.print(f"kvfs-bench rebuild: one real metaserver (--insecure) rebuilds {blocks:,} MLA blocks from "
-                      f"the inventories of {args.servers} FAKE chunkservers in a child process (synthetic owner "
-                      f"records, unsealed; nothing stored), {args.replicas} copies of each chunk; data in {root}")
-        r = asyncio.run(run_rebuild(root, blocks, args.servers, args.replicas, log=console.print))
+        console.print(f"kvfs-bench rebuild: one real metaserver (--insecure) rebuilds {blocks:,} MLA blocks in "
+                      f"prompts of {args.chain} from the inventories of {args.servers} FAKE chunkservers in a child "
+                      f"process (synthetic owner records, unsealed; nothing stored), {args.replicas} copies of each "
+                      f"chunk; data in {root}")
+        r = asyncio.run(run_rebuild(root, blocks, args.servers, args.replicas, args.chain, log=console.print))
     table = Table(title="rebuild from chunkserver inventories (fake servers)")
     for col in ("blocks", "restored", "seconds", "s per 1M blocks", "loop CPU s per 1M", "+ seal checks",
                 "health p99 / max ms"):
@@ -688,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     rebuild.add_argument("--blocks", default="200K", help="blocks the inventories hold: 20000, 200K, 1M")
     rebuild.add_argument("--servers", type=int, default=4, help="fake chunkservers")
     rebuild.add_argument("--replicas", type=int, default=2, help="copies of each chunk")
+    rebuild.add_argument("--chain", type=int, default=64, help="blocks per prompt (each names its parent)")
     rebuild.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
     tenants = sub.add_parser("tenants", help="one tenant's restore latency while another floods the same "
                                              "chunkservers, without and with per-tenant read pacing")

@@ -38,12 +38,13 @@ def seal_seconds(n: int = 20_000) -> float:
     return (time.perf_counter() - t0) / n
 
 
-async def run_rebuild(root: pathlib.Path, blocks: int, servers: int, replicas: int, log=print) -> dict:
+async def run_rebuild(root: pathlib.Path, blocks: int, servers: int, replicas: int, chain: int = 64,
+                      log=print) -> dict:
     meta = await asyncio.to_thread(start_metaserver, root / "meta", extra=["--insecure"], run_dir=root)
     fakes = probe = None
     try:
         fakes = await asyncio.to_thread(FakeChunkservers(meta.address, servers, NO_EVICT_CAPACITY, inventory=blocks,
-                                                         replicas=replicas).start)
+                                                         replicas=replicas, chain=chain).start)
         async with grpc.aio.insecure_channel(meta.address, options=CHANNEL_OPTIONS) as channel:
             stub = meta_pb2_grpc.MetaServiceStub(channel)
             deadline = time.monotonic() + 60
@@ -65,7 +66,7 @@ async def run_rebuild(root: pathlib.Path, blocks: int, servers: int, replicas: i
         on_cpu = cpu1[0] - cpu0[0] if cpu0 and cpu1 else None
         per_million = took / blocks * 1e6
         seal = seal_seconds()
-        return {"blocks": blocks, "servers": servers, "replicas": replicas, "seconds": took,
+        return {"blocks": blocks, "servers": servers, "replicas": replicas, "chain": chain, "seconds": took,
                 "restored": reply.blocks_restored, "incomplete": reply.blocks_incomplete,
                 "chunks_seen": reply.chunks_seen, "blocks_after": st.blocks, "blocks_per_s": blocks / took,
                 "seconds_per_million": per_million,

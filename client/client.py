@@ -302,7 +302,9 @@ class Client:
             for index, placement in enumerate(block.chunks):
                 span = layout.span_of(placement.offset, placement.length)
                 owner = owner_record(namespace.digest, block.key, index, len(block.chunks), _layout_msg(layout),
-                                     alloc.chunk_size, placement.owner_seal, alloc.hash_slot, ttl_class)
+                                     alloc.chunk_size, placement.owner_seal, alloc.hash_slot, ttl_class,
+                                     parent=keys[first_block + i - 1] if first_block + i else b"",
+                                     depth=first_block + i)
                 pieces = layout.scatter(span, first_block + i, tokens)
                 jobs.append(self._write_chunk(limit, placement, span.length, pieces, src, owner, entry, index,
                                               alloc.chunk_size))

@@ -32,19 +32,22 @@ from kvfs.proto import meta_pb2
 
 
 def owner_seal(key: bytes, full: bytes, index: int, count: int, layout: meta_pb2.BlockLayout, chunk_size: int,
-               chunk_id: bytes, hash_slot: int) -> bytes:
+               chunk_id: bytes, hash_slot: int, parent: bytes = b"") -> bytes:
     """The metaserver's seal on a chunk's owner record (ChunkOwner.seal): everything
-    in it but the TTL class, and the chunk id, so a record is good for its own
-    chunk only. The hash slot is sealed too: a writer cannot file its chunks under
-    another metaserver's slots (where that one's rebuild would take them in)."""
+    in it but the TTL class and the depth, and the chunk id, so a record is good for
+    its own chunk only. The hash slot is sealed too: a writer cannot file its chunks
+    under another metaserver's slots (where that one's rebuild would take them in);
+    and the parent, where there is one (a prompt's first block's seal is as it was
+    before records named parents), so a rebuild puts the block back where it was."""
     return tls.seal(key, tls.OWNER, full[:KEY_BYTES], full[KEY_BYTES:], index, count, layout.layers,
-                    layout.block_tokens, layout.kv_dim, layout.dtype, chunk_size, chunk_id, hash_slot)
+                    layout.block_tokens, layout.kv_dim, layout.dtype, chunk_size, chunk_id, hash_slot,
+                    *((parent,) if parent else ()))
 
 
 def owner_sealed(key: bytes, owner: meta_pb2.ChunkOwner, chunk_id: bytes) -> bool:
     return hmac.compare_digest(owner.seal, owner_seal(key, owner.namespace_digest + owner.block_key,
                                                       owner.chunk_index, owner.chunk_count, owner.layout,
-                                                      owner.chunk_size, chunk_id, owner.hash_slot))
+                                                      owner.chunk_size, chunk_id, owner.hash_slot, owner.parent))
 
 
 def require_owner(key: bytes, raw: bytes, chunk_id: bytes) -> None:
@@ -64,13 +67,15 @@ def write_receipt(key: bytes, chunk_id: bytes, checksum: int, server_id: str) ->
 
 
 def owner_record(namespace_digest: bytes, block_key: bytes, index: int, count: int, layout: meta_pb2.BlockLayout,
-                 chunk_size: int, seal: bytes, hash_slot: int, ttl_class: str = "") -> bytes:
+                 chunk_size: int, seal: bytes, hash_slot: int, ttl_class: str = "", parent: bytes = b"",
+                 depth: int = 0) -> bytes:
     """A chunk's owner record as its writer sends it with the chunk: chunk `index`
     of `count` of the block, in the prompt's `hash_slot` (AllocateBlocksReply), under
-    the seal its placement carried (owner_seal)."""
+    its `parent` (the key before it in the prompt, as allocated) at `depth` (its
+    place in the prompt), with the seal its placement carried (owner_seal)."""
     return meta_pb2.ChunkOwner(namespace_digest=namespace_digest, block_key=block_key, chunk_index=index,
                                chunk_count=count, layout=layout, ttl_class=ttl_class, chunk_size=chunk_size,
-                               seal=seal, hash_slot=hash_slot).SerializeToString()
+                               seal=seal, hash_slot=hash_slot, parent=parent, depth=depth).SerializeToString()
 
 
 def parse_owner(raw: bytes) -> meta_pb2.ChunkOwner | None:

@@ -352,7 +352,7 @@ class Allocations:
                 cid = os.urandom(16)
                 chunk_ids.add(cid)
                 seal = (owner_seal(self.key, namespace_digest + key, index, len(spans), layout_msg,
-                                   self.cfg.chunk_size, cid, slot) if self.key else b"")
+                                   self.cfg.chunk_size, cid, slot, block_parent) if self.key else b"")
                 block.chunks.add(chunk_id=cid, offset=span.offset, length=span.length, servers=chain,
                                  addresses=[live[s].record.address for s in chain],
                                  data_addresses=[live[s].record.data_address for s in chain], owner_seal=seal)

@@ -80,6 +80,8 @@ class Repair:
     layout: meta_pb2.BlockLayout
     ttl_class: str
     hash_slot: int  # its prompt's, sealed into the new copy's owner record
+    parent: bytes = b""  # the block's parent key (sealed too) and depth, for a rebuild
+    depth: int = 0
 
 
 RECENT, FREQUENT = ArcPolicy.RECENT, ArcPolicy.FREQUENT
@@ -967,7 +969,7 @@ class BlockTable:
                     chunk = meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length,
                                                  checksum=c.checksum, servers=self.members.ids(c.replicas))
                     wanting.append(Repair(full, index, len(loc.chunks), chunk, self.members.ids(holders),
-                                          loc.layout, row.ttl_class, row.hash_slot))
+                                          loc.layout, row.ttl_class, row.hash_slot, row.parent, row.depth))
             else:
                 if wanting:
                     repairs += wanting

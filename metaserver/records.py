@@ -98,20 +98,26 @@ def replica_prefix(server: int) -> bytes:
 
 
 _STAGED = struct.Struct(">16sQQd")  # chunk id, length, checksum, created; then the owner record
+_ORDER = struct.Struct(">HI")  # a staged block's hash slot and depth
 
 
 def staged_chunk(full: bytes, index: int, server: int, chunk_id: bytes, length: int, checksum: int,
-                 created: float, owner: bytes) -> tuple[bytes, bytes]:
-    """A chunk a rebuild found on a server: its staging key and value."""
-    return (STAGED + full + _U16.pack(index) + _U16.pack(server),
-            _STAGED.pack(chunk_id, length, checksum, created) + owner)
+                 created: float, owner: bytes, hash_slot: int = 0, depth: int = 0) -> tuple[bytes, bytes]:
+    """A chunk a rebuild found on a server: its staging key and value. Staged blocks
+    sort by their prompt's hash slot, then their depth in it: restored in key order,
+    a block's parent (in its slot) is back before it, and a slot's few prompts are
+    restored together, a run of each at a time (by depth alone, every block of a
+    slice was another prompt's, placed and packed on its own: half the speed)."""
+    return (STAGED + _ORDER.pack(hash_slot & 0xFFFF, min(depth, 0xFFFFFFFF)) + full + _U16.pack(index) +
+            _U16.pack(server), _STAGED.pack(chunk_id, length, checksum, created) + owner)
 
 
 def read_staged(key: bytes, value: bytes) -> tuple[bytes, int, int, bytes, int, int, float, bytes]:
     """(full key, chunk index, server number, chunk id, length, checksum, created, owner record)."""
     chunk_id, length, checksum, created = _STAGED.unpack_from(value)
-    index, server = _U16.unpack_from(key, 1 + FULL)[0], _U16.unpack_from(key, 3 + FULL)[0]
-    return key[1 : 1 + FULL], index, server, chunk_id, length, checksum, created, value[_STAGED.size :]
+    at = 1 + _ORDER.size
+    index, server = _U16.unpack_from(key, at + FULL)[0], _U16.unpack_from(key, at + 2 + FULL)[0]
+    return key[at : at + FULL], index, server, chunk_id, length, checksum, created, value[_STAGED.size :]
 
 
 def u64(n: int) -> bytes:

@@ -182,10 +182,10 @@ class Repairer:
             owner = meta_pb2.ChunkOwner(namespace_digest=r.full_key[:-KEY_BYTES], block_key=r.full_key[-KEY_BYTES:],
                                         chunk_index=r.index, chunk_count=r.count, layout=r.layout,
                                         ttl_class=r.ttl_class, chunk_size=self.state.cfg.chunk_size,
-                                        hash_slot=r.hash_slot)
+                                        hash_slot=r.hash_slot, parent=r.parent, depth=r.depth)
             if self.state.key:
                 owner.seal = owner_seal(self.state.key, r.full_key, r.index, r.count, r.layout,
-                                        self.state.cfg.chunk_size, r.chunk.chunk_id, r.hash_slot)
+                                        self.state.cfg.chunk_size, r.chunk.chunk_id, r.hash_slot, r.parent)
             try:
                 await self.lifecycle._stub(target).CopyChunk(chunk_pb2.CopyChunkRequest(
                     chunk_id=r.chunk.chunk_id, source=source, length=r.chunk.length, checksum=r.chunk.checksum,

@@ -584,7 +584,8 @@ class MetaState:
                 self.forged_owners += 1  # not an owner record this metaserver issued for this chunk
                 continue
             batch.put(*records.staged_chunk(owner.namespace_digest + owner.block_key, owner.chunk_index, server,
-                                            info.chunk_id, info.length, info.checksum, info.created, info.owner))
+                                            info.chunk_id, info.length, info.checksum, info.created, info.owner,
+                                            owner.hash_slot, owner.depth))
             n += 1
         self.db.write(batch)
         return n
@@ -612,7 +613,7 @@ class MetaState:
         # here would lose its chunks under it
         open_chunks = self.open_allocation_chunks()
         fulls = list(groups)
-        new = []
+        found = []
         for full, raw in zip(fulls, self.blocks.rows(fulls)):
             if raw is not None:
                 continue  # metadata has it
@@ -620,8 +621,27 @@ class MetaState:
             if row is None:
                 incomplete += 1
             else:
-                new.append((full, row))
-                restored += 1
+                found.append((full, row))
+        # a block goes back under its parent (staged shallower, so restored before it), or not
+        # at all: without its prefix no lookup could reach it
+        parents = sorted({full[:KEY_BYTES] + row.parent for full, row in found if row.parent})
+        stored = dict(zip(parents, self.blocks.live_rows(parents)))
+        new, placed = [], {}
+        for full, row in found:
+            parent = full[:KEY_BYTES] + row.parent if row.parent else None
+            if parent is not None:
+                raw = stored.get(parent)
+                if parent in placed:
+                    ok = placed[parent].hash_slot == row.hash_slot and placed[parent].layout == row.layout
+                else:
+                    ok = raw is not None and records.row_hash_slot(raw) == row.hash_slot and \
+                        records.row_layout(raw) == row.layout
+                if not ok:
+                    incomplete += 1
+                    continue
+            new.append((full, row))
+            placed[full] = row
+            restored += 1
         batch = Batch()
         self.blocks.add(batch, new, check_short=True, dense=True)
         for key in staged_keys:
@@ -654,8 +674,10 @@ class MetaState:
         stored = [(chunks[s.index][0], s.offset, chunks[s.index][1], chunks[s.index][2], chunks[s.index][4])
                   for s in spans]
         ttl_class = owner.ttl_class if owner.ttl_class in self.blocks.ttls else self.cfg.default_ttl_class
-        # chunk owner records do not name the parent: rebuilt blocks are roots to eviction
-        return self.blocks.new_row(full, owner.layout, stored, b"", ttl_class, now,
+        if owner.parent and len(owner.parent) != KEY_BYTES:
+            return None
+        # records from before owner records named parents name none: such blocks are roots to eviction
+        return self.blocks.new_row(full, owner.layout, stored, owner.parent, ttl_class, now,
                                    created=min(c[3] for c in chunks.values()), hash_slot=owner.hash_slot)
 
     # ---- counters ----------------------------------------------------------

@@ -29,7 +29,7 @@ class BlockLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., block_tokens: _Optional[int] = ..., kv_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ChunkOwner(_message.Message):
-    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size", "seal", "hash_slot")
+    __slots__ = ("namespace_digest", "block_key", "chunk_index", "chunk_count", "layout", "ttl_class", "chunk_size", "seal", "hash_slot", "parent", "depth")
     NAMESPACE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class ChunkOwner(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEAL_FIELD_NUMBER: _ClassVar[int]
     HASH_SLOT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     namespace_digest: bytes
     block_key: bytes
     chunk_index: int
@@ -48,7 +50,9 @@ class ChunkOwner(_message.Message):
     chunk_size: int
     seal: bytes
     hash_slot: int
-    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ..., seal: _Optional[bytes] = ..., hash_slot: _Optional[int] = ...) -> None: ...
+    parent: bytes
+    depth: int
+    def __init__(self, namespace_digest: _Optional[bytes] = ..., block_key: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., layout: _Optional[_Union[BlockLayout, _Mapping]] = ..., ttl_class: _Optional[str] = ..., chunk_size: _Optional[int] = ..., seal: _Optional[bytes] = ..., hash_slot: _Optional[int] = ..., parent: _Optional[bytes] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("server_id", "address", "failure_domain", "capacity_bytes", "data_address")

@@ -298,10 +298,11 @@ def test_shards_reports_blocks_and_lookups_per_metaserver(tmp_path):
 
 
 def test_rebuild_bench_restores_every_block_of_the_fake_inventories(tmp_path):
-    report, stdout = run(["rebuild", "--blocks", "3000", "--servers", "3", "--replicas", "2"], tmp_path)
+    report, stdout = run(["rebuild", "--blocks", "3000", "--servers", "3", "--replicas", "2", "--chain", "10"], tmp_path)
     r = report["results"]
-    assert report["bench"] == "rebuild" and "FAKE chunkservers" in stdout
-    # 3,000 blocks of 2 chunks, each on 2 of 3 servers: every copy listed, every block restored whole
+    assert report["bench"] == "rebuild" and "FAKE chunkservers" in stdout and r["chain"] == 10
+    # 3,000 blocks of 2 chunks in prompts of 10, each chunk on 2 of 3 servers: every copy listed, every block
+    # restored whole, under its parent
     assert r["chunks_seen"] == 3000 * 2 * 2 and r["restored"] == r["blocks_after"] == 3000 and r["incomplete"] == 0
     assert r["seconds"] > 0 and r["seconds_per_million"] == pytest.approx(r["seconds"] / 3000 * 1e6)
     assert r["seconds_per_million_with_seals"] > r["seconds_per_million"] and r["seal_check_us"] > 0

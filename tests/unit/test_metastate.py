@@ -809,3 +809,65 @@ def test_beside_lookups_a_commit_builds_its_rows_in_shorter_steps(make_state, mo
     assert state.slice_seconds() == 0.0
     assert commit_steps(keys[40:]) == 41
     assert state.match(NS.digest, keys).matched == 80
+
+
+def test_a_rebuild_puts_blocks_back_under_their_parents_in_their_prompts_runs(make_state):
+    # owner records name each block's parent and depth: however the inventories list them, a
+    # rebuilt prompt is a tree again (eviction takes leaves first), its blocks in consecutive
+    # slots after the first; a block whose prefix is gone is left out (no lookup could reach it)
+    import random
+
+    from kvfs.metaserver import records
+    from kvfs.proto import chunk_pb2
+
+    state = make_state()
+    prompt = block_keys(NS, range(6 * 4), 4)  # 6 blocks
+    orphan = block_keys(NS, [9] * 12, 4)  # 3 blocks, the first one lost
+
+    def info(keys, i, server_copy=0):
+        owner = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=keys[i], chunk_index=0, chunk_count=1,
+                                    layout=LAYOUT_MSG, chunk_size=64 * 1024, parent=keys[i - 1] if i else b"",
+                                    depth=i)
+        return chunk_pb2.ChunkInfo(chunk_id=bytes([i, server_copy]) + keys[i][2:], length=LAYOUT.payload_bytes,
+                                   checksum=5, created=900.0, owner=owner.SerializeToString())
+
+    listed = [info(prompt, i) for i in range(6)] + [info(orphan, i) for i in (1, 2)]
+    random.Random(7).shuffle(listed)
+    state.rebuild_begin()
+    assert state.rebuild_stage("cs-0", listed[:4]) + state.rebuild_stage("cs-1", listed[4:]) == 8
+    restored = incomplete = 0
+    while (done := state.rebuild_slice(limit=2)) != (0, 0):
+        restored, incomplete = restored + done[0], incomplete + done[1]
+    assert (restored, incomplete) == (6, 2)
+    rows = [state.blocks.row(NS.digest + k) for k in prompt]
+    assert [r.parent for r in rows] == [b"", *prompt[:5]] and [r.depth for r in rows] == list(range(6))
+    assert [r.slot - rows[1].slot for r in rows[1:]] == [0, 1, 2, 3, 4]  # one run after the first block
+    assert state.blocks.row(NS.digest + orphan[1]) is None and state.blocks.row(NS.digest + orphan[2]) is None
+    assert state.match(NS.digest, prompt).matched == 6
+    from helpers import keys_under
+
+    assert keys_under(state, records.VICTIM) == {records.victim_key(rows[5].rank, rows[5].last_used, 5,
+                                                                    NS.digest + prompt[5])}  # the leaf only
+    assert_metadata_consistent(state)
+
+
+def test_an_owner_records_parent_is_sealed():
+    from kvfs.grants import owner_seal, owner_sealed
+    from kvfs import tls
+
+    key, keys = b"k" * 32, block_keys(NS, range(8), 4)
+    sealed = meta_pb2.ChunkOwner(namespace_digest=NS.digest, block_key=keys[1], chunk_index=0, chunk_count=1,
+                                 layout=LAYOUT_MSG, chunk_size=64 * 1024, hash_slot=3, parent=keys[0], depth=1)
+    sealed.seal = owner_seal(key, NS.digest + keys[1], 0, 1, LAYOUT_MSG, 64 * 1024, b"c" * 16, 3, keys[0])
+    assert owner_sealed(key, sealed, b"c" * 16)
+    moved = meta_pb2.ChunkOwner()
+    moved.CopyFrom(sealed)
+    moved.parent = NS.digest[:16]  # grafted under another block
+    assert not owner_sealed(key, moved, b"c" * 16)
+    moved.CopyFrom(sealed)
+    moved.depth = 9  # the depth only orders a rebuild: not sealed
+    assert owner_sealed(key, moved, b"c" * 16)
+    # a prompt's first block is sealed as before records named parents
+    root = owner_seal(key, NS.digest + keys[0], 0, 1, LAYOUT_MSG, 64 * 1024, b"c" * 16, 3)
+    assert root == tls.seal(key, tls.OWNER, NS.digest, keys[0], 0, 1, LAYOUT_MSG.layers, LAYOUT_MSG.block_tokens,
+                            LAYOUT_MSG.kv_dim, LAYOUT_MSG.dtype, 64 * 1024, b"c" * 16, 3)
