@@ -225,23 +225,24 @@ def free_loopback_ports(n: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def etcd_healthy(endpoint: str, credentials: Credentials | None = None) -> bool:
+def etcd_healthy(endpoint: str, tls_opener: urllib.request.OpenerDirector | None = None) -> bool:
     """Whether the etcd member at `endpoint` (host:port) says it is healthy (has a
-    leader); over mutual TLS with `credentials`."""
+    leader); over https with `tls_opener` (etcd_opener)."""
     try:
-        if credentials is None:
-            reply = _NO_PROXY.open(f"http://{endpoint}/health", timeout=1)
-        else:
-            https = urllib.request.HTTPSHandler(context=credentials.ssl_context(server=False))
-            reply = urllib.request.build_opener(urllib.request.ProxyHandler({}), https).open(
-                f"https://{endpoint}/health", timeout=1)
-        with reply:
+        url = f"https://{endpoint}/health" if tls_opener else f"http://{endpoint}/health"
+        with (tls_opener or _NO_PROXY).open(url, timeout=1) as reply:
             return b'"true"' in reply.read()
     except OSError:
         return False
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback and test bridges only
+
+
+def etcd_opener(credentials: Credentials) -> urllib.request.OpenerDirector:
+    """An opener speaking mutual TLS as `credentials` (for etcd_healthy)."""
+    https = urllib.request.HTTPSHandler(context=credentials.ssl_context(server=False))
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), https)
 
 
 def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeout: float = 30,
@@ -264,7 +265,7 @@ def start_etcd(data_dir: str | os.PathLike, *, run_dir: str | os.PathLike, timeo
         ca_file, cert, key = ca.issue_files("etcd", [SERVER], hosts=tls.LOCAL_HOSTS)
         tls_flags = ["--cert-file", str(cert), "--key-file", str(key), "--client-cert-auth",
                      "--trusted-ca-file", str(ca_file)]
-        probe = ca.credentials("etcd-probe", [ADMIN])
+        probe = etcd_opener(ca.credentials("etcd-probe", [ADMIN]))  # made once: a context writes key files
     log_path = run_dir / "etcd.log"
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(

@@ -50,7 +50,6 @@ member cut off from its quorum refuses them rather than answering from its past.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -140,18 +139,17 @@ async def bounded(call, timeout: float):
     return task.result()
 
 
-def keys(cluster: str) -> tuple[bytes, bytes]:
-    """The shard map's key and the members' prefix for `cluster`."""
+def cluster_prefix(cluster: str) -> bytes:
+    """Where `cluster`'s keys live in etcd."""
     if not cluster or "/" in cluster:
         raise ValueError(f"a cluster name is non-empty and has no '/', got {cluster!r}")
-    base = f"/kvfs/{cluster}/".encode()
+    return f"/kvfs/{cluster}/".encode()
+
+
+def keys(cluster: str) -> tuple[bytes, bytes]:
+    """The shard map's key and the members' prefix for `cluster`."""
+    base = cluster_prefix(cluster)
     return base + b"shardmap", base + b"members/"
-
-
-def acks_prefix(cluster: str) -> bytes:
-    """Where the members acknowledge the maps they took (`acks/<id>`: an epoch);
-    `ready/<id>` beside it."""
-    return keys(cluster)[1][: -len(b"members/")] + b"acks/"
 
 
 class MemberKeyHeld(RuntimeError):
@@ -171,8 +169,8 @@ class SlotLease:
         self.poll = poll if poll is not None else ttl / 4
         self.map_key, self.members_key = keys(cluster)
         self.member_key = self.members_key + me.id.encode()
-        self.acks_key = acks_prefix(cluster)
-        self.ready_key = self.acks_key[: -len(b"acks/")] + b"ready/"
+        self.acks_key = cluster_prefix(cluster) + b"acks/"  # acks/<id>: an epoch
+        self.ready_key = cluster_prefix(cluster) + b"ready/"  # ready/<id>: a count of chunkservers
         self.live_servers: Callable[[], int] = lambda: 0  # chunkservers this metaserver hears from
         self.members: dict[str, str] = {}  # id -> address of every member, as last read
         self.clock = clock
@@ -419,12 +417,7 @@ class SlotLease:
         if m is None or not self.pending:
             return
         members = await self._members()  # before the acks: a member joining after reads this map or a newer
-        acks: dict[str, int] = {}
-        for kv in await self.etcd.get_prefix(self.acks_key):
-            try:
-                acks[kv.key[len(self.acks_key):].decode()] = int(kv.value)
-            except (UnicodeDecodeError, ValueError):
-                log.warning("shard lease: ignoring ack key %r", kv.key[:200])
+        acks = await self._numbers(self.acks_key)
         waiting = sorted(i for i in members if i != self.me.id and acks.get(i, 0) < m.epoch)
         if waiting:
             if self._waits_logged != m.epoch:
@@ -456,14 +449,11 @@ class SlotLease:
         m = self.shard_map
         if not self.rebalance or m is None or not self.serves_any() or self.pending:
             return
-        members = await self._members()
+        members = self.members  # as _take_over read them this round
         new = sorted(i for i in members if not any(o.id == i for o in m.owners))
         if not new:
             return
-        ready: dict[str, int] = {}
-        for kv in await self.etcd.get_prefix(self.ready_key):
-            with contextlib.suppress(UnicodeDecodeError, ValueError):
-                ready[kv.key[len(self.ready_key):].decode()] = int(kv.value)
+        ready = await self._numbers(self.ready_key)
         want = self.live_servers()
         ripe = [i for i in new if ready.get(i, -1) >= want]
         for i in new:
@@ -484,6 +474,16 @@ class SlotLease:
             log.warning("shard map: %s added metaserver %s at %s: %d slots move to it, epoch %d", self.me.id,
                         ripe[0], members[ripe[0]], fresh.counts()[ripe[0]], fresh.epoch)
         await self._read_map()
+
+    async def _numbers(self, prefix: bytes) -> dict[str, int]:
+        """Member id -> the number under `prefix` (acks/, ready/); keys that do not parse are ignored."""
+        out: dict[str, int] = {}
+        for kv in await self.etcd.get_prefix(prefix):
+            try:
+                out[kv.key[len(prefix):].decode()] = int(kv.value)
+            except (UnicodeDecodeError, ValueError):
+                log.warning("shard lease: ignoring key %r", kv.key[:200])
+        return out
 
     def serves_any(self) -> bool:
         m = self.shard_map
