@@ -111,7 +111,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument("--config", help="TOML file with a table per part (env KVFS_CONFIG)")
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        text = f"{f.metadata.get('help', '')} (default {f.default})"
+        # argparse %-formats help texts: a literal % ("90% of capacity") must be doubled
+        text = f"{f.metadata.get('help', '')} (default {f.default})".replace("%", "%%")
         if f.type == "bool":
             parser.add_argument(flag, action="store_const", const="true", default=None, help=text)
         else:
