@@ -13,6 +13,8 @@ policy refuses ends the request's inserts, since nothing after it could match.
 Capacity is in blocks, every block of size 1, and is a hard limit: a full cache
 evicts one victim per insert (the metaserver evicts in batches, from its high
 watermark to its low one, in the same order).
+Besides the policies the metaserver serves, it runs those on trial
+(`arc-tlfu`: ARC with TinyLFU admission), which the metaserver does not offer.
 Policy `infinite` never evicts: the ceiling any policy can reach on the trace.
 Policy `belady` sees the future: it evicts the leaf whose next use is farthest
 (a parent's next use is never later than its children's, so leaves suffice) and
@@ -33,7 +35,7 @@ import math
 import os
 from collections.abc import Iterable
 
-from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES, Policy
+from kvfs.metaserver.eviction import DEFAULT_POLICY, POLICIES, TRIAL_POLICIES, Policy
 
 BLOCK_TOKENS = 512  # of the Mooncake traces' hash ids
 INFINITE = "infinite"
@@ -122,7 +124,7 @@ def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int |
                 uses.setdefault(k, []).append(i)
         policy: Policy = BeladyPolicy(uses, capacity_blocks)
     else:
-        policy = POLICIES["lru" if infinite else policy_name]()  # infinite: never asked to evict
+        policy = RUNNABLE["lru" if infinite else policy_name]()  # infinite: never asked to evict
     prompt_tokens = hit_tokens = hit_requests = hit_blocks = admitted = refused = evictions = 0
     for now, (rec, chain) in enumerate(zip(records, chains)):
         matched = 0
@@ -156,7 +158,8 @@ def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int |
             "cached_blocks": len(policy), "unique_blocks": len(keys)}
 
 
-SIMULATED = (*POLICIES, BELADY, INFINITE)  # the policies a replay can run
+RUNNABLE: dict[str, type[Policy]] = {**POLICIES, **TRIAL_POLICIES}  # served ones, then ones on trial
+SIMULATED = (*RUNNABLE, BELADY, INFINITE)  # the policies a replay can run
 
 
 def simulate_all(source, capacities: list[int], policies: list[str], limit: int | None = None) -> dict:

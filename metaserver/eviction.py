@@ -380,7 +380,150 @@ class ArcPolicy(Policy):
             self.ghosts[self.ghost.popitem(last=False)[1]] -= 1
 
 
+class FrequencySketch:
+    """How often each key was seen lately, approximately, in a fixed space (TinyLFU's
+    sketch: Einziger, Friedman and Manes, ACM ToS 2017).
+
+    A count-min sketch: `DEPTH` rows of one-byte counters, saturating at 15 (four
+    bits' worth, as Caffeine keeps them); a key's estimate is the least of its
+    counters, so collisions only ever overstate it, and an increment raises only
+    the counters at that least value (conservative update). After `width` counted
+    increments every counter halves (aging), so the counts follow the recent past.
+    The size depends on the cache, never on the keys seen: `grow(blocks)` doubles the
+    width until it is at least `blocks`, copying each row into both halves (an index
+    is the low bits of a hash, so a key's new counter is a copy of its old one and
+    every estimate stays an upper bound).
+    """
+
+    DEPTH = 4
+    MAX = 15
+    _HALF = bytes(v >> 1 for v in range(256))
+    _SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+    _M64 = (1 << 64) - 1
+
+    def __init__(self, width: int = 1024):
+        if width < 1 or width & (width - 1):
+            raise ValueError(f"the sketch's width must be a power of two, got {width}")
+        self.width = width
+        self.rows = [bytearray(width) for _ in range(self.DEPTH)]
+        self.additions = 0  # since the last halving
+        self.halvings = 0
+
+    def _indexes(self, key: Key) -> list[int]:
+        x = (hash(key) * self._SEEDS[0]) & self._M64
+        x ^= x >> 31
+        mask = self.width - 1
+        return [((x * seed) >> 32) & mask for seed in self._SEEDS]
+
+    def estimate(self, key: Key) -> int:
+        return min(row[i] for row, i in zip(self.rows, self._indexes(key)))
+
+    def add(self, key: Key) -> int:
+        """Counts one sighting of `key`; returns its estimate, this one included."""
+        indexes = self._indexes(key)
+        low = min(row[i] for row, i in zip(self.rows, indexes))
+        if low >= self.MAX:
+            return low
+        for row, i in zip(self.rows, indexes):
+            if row[i] == low:
+                row[i] = low + 1
+        self.additions += 1
+        if self.additions >= self.width:
+            self.rows = [row.translate(self._HALF) for row in self.rows]
+            self.additions //= 2
+            self.halvings += 1
+        return low + 1
+
+    def grow(self, blocks: int) -> None:
+        while self.width < blocks:
+            self.rows = [row + row for row in self.rows]
+            self.width *= 2
+
+    def nbytes(self) -> int:
+        return sum(map(len, self.rows))
+
+
+class ArcTinyLfuPolicy(ArcPolicy):
+    """ARC over the prefix tree (ArcPolicy, unchanged) with TinyLFU-style admission:
+    a new block may not push out a frequent block the sketch says is used more.
+
+    The sketch (FrequencySketch, at least 1,024 counters a row, else the most blocks
+    the cache held rounded up to a power of two) counts every request's pass through
+    every block: a hit's touch, and each missing block offered, the ones offered after
+    a refusal too. A request through a block passes through all its ancestors, so a
+    block's count is also what its descendants' requests are worth, and shallow shared
+    blocks count more than the deep private ones after them.
+
+    Until the cache first evicts, everything is admitted. After, a new block is
+    compared with the victim it would cost only where that victim is forced out of
+    the frequent segment (T2): when the recent segment (T1) has no leaf to give up
+    but the candidate's own parent, which is what happens when a request's long new
+    tail arrives (each block of it becomes the next one's pinned parent, so ARC takes
+    every one's room from T2, a scan through the frequent blocks). There a candidate
+    estimated less frequent than that victim is refused, and so is everything chained
+    after it in that request. Elsewhere ARC's own rule chooses the victim and the
+    block is admitted: a first sighting of a conversation's next turn only displaces
+    another recent block or a frequent one ARC judged stale, so chat and agent traces
+    keep their next-turn hits (comparing with every victim, TinyLFU's rule, cost the
+    generated chat trace up to 20 points at 10-20% capacity: frequent blocks of
+    finished conversations keep their counts for a while and outvote every new turn).
+
+    Beyond ArcPolicy's state this keeps the sketch alone: 4 bytes a counter column,
+    its size set by the cache's, not by how many blocks go through it. A simulator
+    policy: the metaserver does not serve it (see TRIAL_POLICIES).
+    """
+
+    name = "arc-tlfu"
+
+    def __init__(self, watermarks: Watermarks = Watermarks()):
+        super().__init__(watermarks)
+        self.sketch = FrequencySketch()
+        self.evicting = False  # has the cache evicted yet (then every admission costs a victim)
+        self.refusals = 0
+
+    def admit(self, key, parent, size, now):
+        freq = self.sketch.add(key)
+        if not super().admit(key, parent, size, now):
+            return False
+        if not self.evicting:
+            return True
+        victim = self._forced_frequent_victim(parent)
+        if victim is None or freq >= self.sketch.estimate(victim):
+            return True
+        self.refusals += 1
+        return False
+
+    def _forced_frequent_victim(self, parent: Key | None) -> Key | None:
+        """The T2 leaf a new block under `parent` would evict because T1 has no other
+        leaf to give up; None when ARC's rule takes a T1 leaf or chooses T2 itself."""
+        recent = self._front(self._heaps[self.RECENT])
+        if recent is not None and recent[-1] != parent:
+            return None  # T1 can give up a leaf, or ARC's rule prefers T2's: not forced
+        frequent = self._front(self._heaps[self.FREQUENT])
+        if frequent is None or frequent[-1] == parent:
+            return None
+        return frequent[-1]
+
+    def touch(self, key, parent, size, now):
+        if key in self.blocks:  # a hit; a new block was counted when offered
+            self.sketch.add(key)
+        return super().touch(key, parent, size, now)
+
+    def _ranked(self, key, block, now, new):
+        rank = super()._ranked(key, block, now, new)
+        if new and self.peak_blocks > self.sketch.width:
+            self.sketch.grow(self.peak_blocks)
+        return rank
+
+    def _forgotten(self, key, block, evicted):
+        self.evicting = self.evicting or evicted
+        super()._forgotten(key, block, evicted)
+
+
 POLICIES: dict[str, type[Policy]] = {"lru": LruPolicy, "lfuda": LfuDaPolicy, "arc": ArcPolicy}
 # chosen by `kvfs-bench trace --simulate` on the shipped trace and five generated ones: the one policy
 # not below LRU on any of them but for a tie on the agent trace (docs/operations.md has the figures)
 DEFAULT_POLICY = "arc"
+# policies the trace simulator runs beside the served ones, for comparison; the metaserver does not
+# offer them (its ranks implement POLICIES only)
+TRIAL_POLICIES: dict[str, type[Policy]] = {"arc-tlfu": ArcTinyLfuPolicy}
