@@ -35,14 +35,21 @@ from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2, meta_pb2_grpc
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-class Child:
-    """A spawned process driven over a pipe: commands in, one answer per command."""
+def _niced(nice: int, target, *args) -> None:
+    os.nice(nice)
+    target(*args)
 
-    def __init__(self, target, *args):
+
+class Child:
+    """A spawned process driven over a pipe: commands in, one answer per command.
+    `nice` lowers its CPU priority (os.nice): load a bench generates beside the
+    server it measures, standing for other machines."""
+
+    def __init__(self, target, *args, nice: int = 0):
         ctx = multiprocessing.get_context("spawn")  # the parent holds gRPC channels: no fork
         self._conn, child_conn = ctx.Pipe()
         self._asking = threading.Lock()  # callers in several threads (asyncio.to_thread): one exchange at a time
-        self.proc = ctx.Process(target=target, args=(child_conn, *args), daemon=True)
+        self.proc = ctx.Process(target=_niced, args=(nice, target, child_conn, *args), daemon=True)
 
     def start(self, timeout: float):
         self.proc.start()
@@ -113,8 +120,8 @@ class Inventory:
 
 class FakeChunkservers(Child):
     def __init__(self, meta_address: str, n: int, capacity_bytes: int, inventory: int = 0, replicas: int = 2,
-                 chain: int = 1):
-        super().__init__(_fakes_main, meta_address, n, capacity_bytes, inventory, replicas, chain)
+                 chain: int = 1, nice: int = 0):
+        super().__init__(_fakes_main, meta_address, n, capacity_bytes, inventory, replicas, chain, nice=nice)
         self.n = n
         self.addresses: list[str] = []
         self.heartbeat_interval = 0.0
@@ -201,7 +208,7 @@ async def _serve_fakes(conn, meta_address: str, n: int, capacity: int, inventory
             silenced.add(args[0])
         elif command == "resume":
             silenced.discard(args[0])
-        conn.send(dict(counts))
+        conn.send({**counts, "nice": os.nice(0)})
         if command == "stop":
             break
     for t in beats:

@@ -304,15 +304,16 @@ def _meta(args) -> int:
 
     cfg = MetaBenchConfig(blocks=parse_count(args.blocks), chain=args.chain, clients=args.clients,
                           servers=args.servers, evict=args.evict, samples=args.samples, deadline=args.deadline,
-                          heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout)
+                          heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
+                          load_nice=args.load_nice)
     changed = " ".join(cfg.meta_flags()) or "none (its defaults)"
     eviction = "on: the fill ends at 95% of the cache" if cfg.evict else "off"
     with _scratch(args.data_dir) as root:
         console.print(f"kvfs-bench meta: one real metaserver, {cfg.blocks} MLA blocks in chains of {cfg.chain} from "
                       f"{cfg.clients} writers; metaserver settings changed: {changed}; {cfg.servers} FAKE chunkservers "
                       f"in a child process (they store nothing: chunk writes never happen, ListChunks is empty, "
-                      f"DeleteChunks and CopyChunk succeed at once); eviction {eviction}; "
-                      f"data in {root}")
+                      f"DeleteChunks and CopyChunk succeed at once) and the eviction phase's writers at nice "
+                      f"{cfg.load_nice}; eviction {eviction}; data in {root}")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=console, transient=True) as progress:
             try:
@@ -683,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     meta.add_argument("--deadline", type=float, default=10.0, help="seconds, per RPC")
     meta.add_argument("--heartbeat-interval", help="metaserver setting (default: its own)")
     meta.add_argument("--heartbeat-timeout", help="metaserver setting (default: its own)")
+    meta.add_argument("--load-nice", type=int, default=10,
+                      help="CPU niceness of the load beside the metaserver (the fake chunkservers and the eviction "
+                           "phase's writers, which stand for other machines); 0: they compete for this machine's "
+                           "cores as equals")
     meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
     rebuild = sub.add_parser("rebuild", help="a real metaserver rebuilding its metadata from chunkserver "
                                              "inventories (fake chunkservers): seconds per million blocks")

@@ -1,6 +1,7 @@
 """kvfs-bench writes reports of the documented shape (never checked for speed)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -231,6 +232,8 @@ def test_meta_bench_report_shape(tmp_path):
     writes = r["phases"]["eviction"]["writes"]  # from the writer process, its counts sent back
     assert writes["least"] == 2000 and writes["blocks"] >= 2000  # a tenth of the fill at least, not just the deletes
     assert writes["failed_batches"] == 0 and writes["errors"] == {} and writes["deletes_seen"]
+    # the load beside the metaserver (writers, fakes) runs at --load-nice's lower priority
+    assert config["load_nice"] == 10 and writes["nice"] == r["fakes"]["nice"] == min(19, os.nice(0) + 10)
     repair = r["phases"]["repair"]
     assert repair["silenced"] == "fake-3" and repair["detect_s"] > 0
     restart = r["restart"]
