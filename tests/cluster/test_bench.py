@@ -166,7 +166,7 @@ def test_trace_simulate_runs_the_eviction_policies_alone(tmp_path):
     report, stdout = run(["trace", str(trace), "gen:chat:300:1", "--simulate", "--capacity-blocks", "5%,300"],
                          tmp_path)
     assert report["bench"] == "simulate" and [t["path"] for t in report["traces"]] == [str(trace), "gen:chat:300:1"]
-    policies = {"lfuda", "lru", "arc", "belady"}
+    policies = {"lfuda", "lru", "arc", "arc-tlfu", "belady"}  # arc-tlfu: on trial, the simulator only
     assert set(report["config"]["policies"]) == policies
     for t, requests in zip(report["traces"], (500, 300)):
         summary = t["results"]
