@@ -32,9 +32,12 @@ from .records import ALLOC, ALLOC_SETTLED, Row, read_u64, row_hash_slot, row_lay
 log = logging.getLogger(__name__)
 
 COMMIT_PIECE = 64  # blocks a commit decides and writes in one batch, between two turns of the event loop
-# ... while lookups keep coming (readsfirst.py): a piece costs ~1.4 ms and ~0.1 ms a block at 1M blocks,
-# so a lookup waits ~3 ms for one piece under way instead of ~8 ms
-COMMIT_PIECE_BESIDE_LOOKUPS = 16
+# ... while lookups keep coming (readsfirst.py), so that a lookup waits less for a piece under way.
+# In-process at 300K blocks a 16-block piece took 0.67 ms (p50) and an 8-block one 0.51: most of
+# a piece is fixed cost (its reads, the RocksDB write of ~7 entries a block). In kvfs-bench meta
+# --blocks 1M's eviction phase (one run each, the metaserver's loop thread timed per callback)
+# commit steps over 2 ms went from 30-180 to 12-57 per 10 s at 8, at the same write rate
+COMMIT_PIECE_BESIDE_LOOKUPS = 8
 # The most one step of work should hold the event loop (checked between blocks): a commit
 # building its rows, an allocation placing its blocks, a slice of eviction (state.py)
 SLICE_SECONDS = 0.0015
