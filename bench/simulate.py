@@ -107,6 +107,32 @@ class BeladyPolicy(Policy):
         return farthest is not None and mine < -farthest[0]
 
 
+def serve(policy: Policy, chain: list, now: int, capacity_blocks: int | None) -> tuple[int, int, int]:
+    """One request through `policy`, as the metaserver serves it: its leading cached
+    blocks are matched and touched, the rest offered in order and stored while admitted
+    and room is made (`capacity_blocks`, a hard limit in blocks of size 1; None: never
+    full). Returns (blocks matched, blocks stored, blocks evicted)."""
+    matched = 0
+    while matched < len(chain) and chain[matched] in policy:
+        matched += 1
+    for i in range(matched):
+        policy.touch(chain[i], chain[i - 1] if i else None, 1, now)
+    stored, admitted, evictions = True, 0, 0
+    for i in range(matched, len(chain)):
+        key, parent = chain[i], chain[i - 1] if i else None
+        # after a refusal every later block is refused too (its parent is not
+        # cached), but still offered: a policy may learn from what it is offered
+        stored = policy.admit(key, parent, 1, now) and stored
+        if stored and capacity_blocks is not None and len(policy) >= capacity_blocks:
+            # the parent is the request's own deepest block: keep it
+            evictions += len(policy.victims(len(policy) + 1 - capacity_blocks, pinned=(parent,)))
+            stored = len(policy) < capacity_blocks  # else every cached block is on this path
+        if stored:
+            policy.touch(key, parent, 1, now)
+            admitted += 1
+    return matched, admitted, evictions
+
+
 def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int | None = None) -> dict:
     """One replay; `capacity_blocks` is ignored for policy `infinite`."""
     records = load_requests(source, limit)
@@ -127,30 +153,14 @@ def simulate(source, capacity_blocks: int | None, policy_name: str, limit: int |
         policy = RUNNABLE["lru" if infinite else policy_name]()  # infinite: never asked to evict
     prompt_tokens = hit_tokens = hit_requests = hit_blocks = admitted = refused = evictions = 0
     for now, (rec, chain) in enumerate(zip(records, chains)):
-        matched = 0
-        while matched < len(chain) and chain[matched] in policy:
-            matched += 1
+        matched, stored, evicted = serve(policy, chain, now, None if infinite else capacity_blocks)
         prompt_tokens += rec["input_length"]
         hit_tokens += min(matched * BLOCK_TOKENS, rec["input_length"])
         hit_requests += matched > 0
         hit_blocks += matched
-        for i in range(matched):
-            policy.touch(chain[i], chain[i - 1] if i else None, 1, now)
-        stored = True
-        for i in range(matched, len(chain)):
-            key, parent = chain[i], chain[i - 1] if i else None
-            # after a refusal every later block is refused too (its parent is not
-            # cached), but still offered: a policy may learn from what it is offered
-            stored = policy.admit(key, parent, 1, now) and stored
-            if stored and not infinite and len(policy) >= capacity_blocks:
-                # the parent is the request's own deepest block: keep it
-                evictions += len(policy.victims(len(policy) + 1 - capacity_blocks, pinned=(parent,)))
-                stored = len(policy) < capacity_blocks  # else every cached block is on this path
-            if not stored:
-                refused += 1
-                continue
-            policy.touch(key, parent, 1, now)
-            admitted += 1
+        admitted += stored
+        refused += len(chain) - matched - stored
+        evictions += evicted
     return {"policy": policy_name, "capacity_blocks": None if infinite else capacity_blocks,
             "requests": len(records), "prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
             "token_hit_ratio": hit_tokens / max(1, prompt_tokens), "hit_requests": hit_requests,

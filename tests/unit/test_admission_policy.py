@@ -9,28 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfs.bench.simulate import SIMULATED, simulate
+from kvfs.bench.simulate import serve as serve_request
 from kvfs.metaserver.eviction import (DEFAULT_POLICY, POLICIES, TRIAL_POLICIES, ArcPolicy, ArcTinyLfuPolicy,
                                       FrequencySketch)
 
 
 def serve(p, chain, now, capacity):
-    """One request through `p` as the simulator replays it (a hard capacity in
-    blocks of size 1); returns how many leading blocks matched."""
-    matched = 0
-    while matched < len(chain) and chain[matched] in p:
-        matched += 1
-    for i in range(matched):
-        p.touch(chain[i], chain[i - 1] if i else None, 1, now)
-    stored = True
-    for i in range(matched, len(chain)):
-        key, parent = chain[i], chain[i - 1] if i else None
-        stored = p.admit(key, parent, 1, now) and stored
-        if stored and len(p) >= capacity:
-            p.victims(len(p) + 1 - capacity, pinned=(parent,))
-            stored = len(p) < capacity
-        if stored:
-            assert p.touch(key, parent, 1, now)
-    return matched
+    """One request through `p` as the simulator replays it; how many leading blocks matched."""
+    return serve_request(p, chain, now, capacity)[0]
 
 
 # ---- the sketch ------------------------------------------------------------
