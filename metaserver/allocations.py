@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 
 COMMIT_PIECE = 64  # blocks a commit decides and writes in one batch, between two turns of the event loop
 # ... while lookups keep coming (readsfirst.py), so that a lookup waits less for a piece under way.
-# In-process at 300K blocks a 16-block piece took 0.67 ms (p50) and an 8-block one 0.51: most of
-# a piece is fixed cost (its reads, the RocksDB write of ~7 entries a block). In kvfs-bench meta
-# --blocks 1M's eviction phase (one run each, the metaserver's loop thread timed per callback)
-# commit steps over 2 ms went from 30-180 to 12-57 per 10 s at 8, at the same write rate
-COMMIT_PIECE_BESIDE_LOOKUPS = 8
+# Most of a piece is fixed cost (its reads, its RocksDB write of ~7 entries a block): in-process
+# at 300K blocks a 16-block piece took 0.67 ms (p50), an 8-block one 0.51. Pieces of 8 were tried:
+# at 1M (kvfs-bench meta) fewer commit steps over 2 ms and the same write rate, but at 10M the
+# eviction phase's writes fell from 2,747 to 1,826 blocks/s (each step is followed by the turns and
+# the poll gap lookups get) while its 2,000-block hit p99 stayed at 7.7-7.9 ms
+COMMIT_PIECE_BESIDE_LOOKUPS = 16
 # The most one step of work should hold the event loop (checked between blocks): a commit
 # building its rows, an allocation placing its blocks, a slice of eviction (state.py)
 SLICE_SECONDS = 0.0015
