@@ -99,9 +99,10 @@ class MetaBenchConfig:
     heartbeat_interval: str | None = None  # None: the metaserver's default
     heartbeat_timeout: str | None = None
     # The fakes and the eviction phase's writers stand for other machines; on this one they
-    # share a few cores with the metaserver, whose loop thread they preempted mid-step (the
-    # loop waited for a core 5-16% of the eviction phase at nice 0). At a lower priority
-    # they take what the metaserver leaves. The lookups and the probe are not niced.
+    # share a few cores with the metaserver and can preempt its loop thread mid-step. At a
+    # lower priority they take what the metaserver leaves (on a quiet 2-core machine its loop
+    # waited for a core 4.3% of the eviction phase at nice 0, 3.4% at 10: docs/operations.md).
+    # The lookups and the probe are not niced.
     load_nice: int = 10
 
     def meta_flags(self) -> list[str]:
