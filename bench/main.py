@@ -198,7 +198,8 @@ def _mixed(args) -> int:
     config = {"restore_tokens": args.restore_tokens, "write_tokens": args.write_tokens, "writers": args.writers,
               "restorers": args.restorers, "seconds": args.seconds, "transport": args.transport,
               "chunkservers": args.chunkservers, "io_mode": args.io_mode,
-              "write_yields": args.write_yield.split(",")}
+              "write_yields": args.write_yield.split(","),
+              "write_nices": [int(x) for x in args.write_nice.split(",")]}
     report = run_mixed(**config)
     _write_json(args.json, {"bench": "mixed", **_host(), "config": config, "results": report})
     return 0
@@ -716,8 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     mixed.add_argument("--transport", default="auto", help="auto, shm, tcp or grpc (restores and writes)")
     mixed.add_argument("--chunkservers", type=int, default=3)
     mixed.add_argument("--io-mode", default="direct", help="the chunkservers': direct (O_DIRECT) or buffered")
-    mixed.add_argument("--write-yield", default="0,20ms",
+    mixed.add_argument("--write-yield", default="0",
                        help="the chunkservers' write_yield settings to compare, one run each (0: writes never wait)")
+    mixed.add_argument("--write-nice", default="0,10",
+                       help="write_nice settings to compare (the chunkservers' and the writer's SDK's), one run "
+                            "each with every write_yield (0: write threads at the servers' priority)")
     shards = sub.add_parser("shards", help="how evenly hash slots spread a trace's prefixes over N metaservers "
                                            "(blocks and lookups per metaserver; no cluster)")
     shards.add_argument("path", nargs="+", help="a Mooncake-format trace, or gen:SHAPE[:REQUESTS[:SEED]]")

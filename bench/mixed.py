@@ -9,12 +9,14 @@ another inference worker's write-backs would be) writes fresh prompts of
 them. Raw O_DIRECT write speed over the same filesystem is measured in the same
 run, one writer thread per chunkserver, as `kvfs-bench io` measures it.
 
-The whole measurement runs once per `--write-yield` setting of the
-chunkservers (reads first: how long a write waits for the reads in flight; 0:
-never), one after the other on fresh clusters. Reported per setting: restore
-p50/p99 alone and under the writes, their ratio, the write-back rate (payload,
-and to disks with the replicas) beside raw write, and the writes the
-chunkservers deferred.
+The whole measurement runs once per pair of settings, one after the other on
+fresh clusters: `--write-yield`, the chunkservers' (reads first on the disk: how
+long a write waits for the reads in flight; 0: never), and `--write-nice`, the
+chunkservers' and the writer's SDK's (reads first on the CPU: how much nicer the
+threads doing write work run, kvfs.priority; 0: the same priority). Reported per
+pair: restore p50/p99 alone and under the writes, their ratio, the write-back
+rate (payload, and to disks with the replicas) beside raw write, and the writes
+the chunkservers deferred.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ LAYOUT = BlockLayout.mla()
 REPLICAS = 2
 
 
-def _write_backs(meta: str, n_tokens: int, loops: int, transport: str, stop, written, failed) -> None:
+def _write_backs(meta: str, n_tokens: int, loops: int, transport: str, write_nice: int, stop, written,
+                 failed) -> None:
     """The writer process: `loops` write-backs of fresh prompts at a time until `stop`."""
 
     async def run() -> None:
         payload = os.urandom(LAYOUT.buffer_bytes(n_tokens))
-        async with Client(meta, transport=transport) as client:
+        async with Client(meta, transport=transport, write_nice=write_nice) as client:
 
             async def loop(i: int) -> None:
                 n = 0
@@ -103,10 +106,11 @@ async def _deferred(cluster: LocalCluster) -> tuple[int, float]:
     return writes, seconds
 
 
-def one_config(root: pathlib.Path, write_yield: str, restore_tokens: int, write_tokens: int, writers: int,
-               restorers: int, seconds: float, transport: str, chunkservers: int, io_mode: str) -> dict:
+def one_config(root: pathlib.Path, write_yield: str, write_nice: int, restore_tokens: int, write_tokens: int,
+               writers: int, restorers: int, seconds: float, transport: str, chunkservers: int, io_mode: str) -> dict:
     cluster = LocalCluster(root / "cluster", chunkservers=chunkservers, replicas=REPLICAS, capacity="32GiB",
-                           chunk_extra=["--io-mode", io_mode, "--write-yield", write_yield])
+                           chunk_extra=["--io-mode", io_mode, "--write-yield", write_yield,
+                                        "--write-nice", str(write_nice)])
     with cluster, cluster.worker_env():
         prompt = tokens(restore_tokens, 1)
 
@@ -119,13 +123,13 @@ def one_config(root: pathlib.Path, write_yield: str, restore_tokens: int, write_
         pool = BufferPool(arena_bytes=restorers * LAYOUT.buffer_bytes(restore_tokens) + (1 << 20))
         alone = asyncio.run(_restores(cluster.meta_address, prompt, seconds, restorers, transport, pool))
         stop, written, failed = SPAWN.Event(), SPAWN.Value("Q", 0), SPAWN.Value("Q", 0)
-        with in_own_process(_write_backs, (cluster.meta_address, write_tokens, writers, transport, stop, written,
-                                           failed), stop, written):
+        with in_own_process(_write_backs, (cluster.meta_address, write_tokens, writers, transport, write_nice, stop,
+                                           written, failed), stop, written):
             t0, w0 = time.perf_counter(), written.value  # the write-backs under way before the restores are timed
             mixed = asyncio.run(_restores(cluster.meta_address, prompt, seconds, restorers, transport, pool))
             write_rate = (written.value - w0) / (time.perf_counter() - t0)
         deferred, deferred_s = asyncio.run(_deferred(cluster))
-    report = {"write_yield": write_yield, "alone": _summary(alone), "with_writes": _summary(mixed),
+    report = {"write_yield": write_yield, "write_nice": write_nice, "alone": _summary(alone), "with_writes": _summary(mixed),
               "raw_write_gbps": raw, "write_gbps": write_rate / 1e9, "write_disk_gbps": REPLICAS * write_rate / 1e9,
               "write_failures": failed.value, "writes_deferred": deferred, "deferred_seconds": deferred_s}
     report["p99_ratio"] = report["with_writes"]["p99_ms"] / report["alone"]["p99_ms"]
@@ -135,24 +139,27 @@ def one_config(root: pathlib.Path, write_yield: str, restore_tokens: int, write_
 
 
 def run_mixed(restore_tokens: int, write_tokens: int, writers: int, restorers: int, seconds: float,
-              transport: str, chunkservers: int, io_mode: str, write_yields: list[str]) -> list[dict]:
+              transport: str, chunkservers: int, io_mode: str, write_yields: list[str],
+              write_nices: list[int]) -> list[dict]:
     console.print(f"[bold]kvfs-bench mixed[/]: restores of {restore_tokens} MLA tokens "
                   f"({LAYOUT.buffer_bytes(restore_tokens) / 1e6:.0f} MB) from {restorers} loops for {seconds:.0f} s, "
                   f"alone, then while another process writes back {write_tokens}-token prompts from {writers} loops; "
                   f"{chunkservers} chunkservers ({io_mode} mode), {REPLICAS} replicas, {transport}; write_yield "
-                  f"{', then '.join(write_yields)}; {os.cpu_count()} CPUs shared by all of it")
+                  f"{', '.join(write_yields)} by write_nice {', '.join(map(str, write_nices))}; {os.cpu_count()} "
+                  f"CPUs shared by all of it")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-mixed-") as tmp:
-        for i, write_yield in enumerate(write_yields):
-            rows.append(one_config(pathlib.Path(tmp) / f"config-{i}", write_yield, restore_tokens, write_tokens,
-                                   writers, restorers, seconds, transport, chunkservers, io_mode))
+        pairs = [(y, n) for y in write_yields for n in write_nices]
+        for i, (write_yield, write_nice) in enumerate(pairs):
+            rows.append(one_config(pathlib.Path(tmp) / f"config-{i}", write_yield, write_nice, restore_tokens,
+                                   write_tokens, writers, restorers, seconds, transport, chunkservers, io_mode))
     table = Table(title=f"restores of {LAYOUT.buffer_bytes(restore_tokens) / 1e6:.0f} MB, alone and under "
                         f"write-backs (ms; ratios from this run)")
-    for col in ("write_yield", "p50 alone", "p99 alone", "p50 writes", "p99 writes", "p99 ratio",
+    for col in ("write_yield", "write_nice", "p50 alone", "p99 alone", "p50 writes", "p99 writes", "p99 ratio",
                 "write-backs GB/s (payload / disks)", "/ raw write", "writes deferred"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["write_yield"], f"{r['alone']['p50_ms']:.1f}", f"{r['alone']['p99_ms']:.1f}",
+        table.add_row(r["write_yield"], str(r["write_nice"]), f"{r['alone']['p50_ms']:.1f}", f"{r['alone']['p99_ms']:.1f}",
                       f"{r['with_writes']['p50_ms']:.1f}", f"{r['with_writes']['p99_ms']:.1f}",
                       f"{r['p99_ratio']:.2f}x", f"{r['write_gbps']:.2f} / {r['write_disk_gbps']:.2f}",
                       f"{r['write_over_raw']:.2f}", f"{r['writes_deferred']} ({r['deferred_seconds']:.1f} s)")

@@ -47,6 +47,9 @@ class ChunkserverConfig:
     write_yield: float = duration_field(0.0, "reads first: a chunk write waits up to this long for the client "
                                         "reads in flight on this server to finish before it takes the disk (0: "
                                         "writes never wait)")
+    write_nice: int = option(10, "reads first on the CPU: threads that store chunks (data-port connections that "
+                             "write, checksums and disk writes) run this much nicer than the server, so writes take "
+                             "the cores restores leave (0-19; 0: the same priority)")
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")
@@ -72,5 +75,7 @@ class ChunkserverConfig:
         check_listen("metrics_listen", self.metrics_listen)
         if not 64 * KiB <= self.max_chunk_size <= 64 * MiB:
             raise ValueError("max_chunk_size must be between 64KiB and 64MiB")
+        if not 0 <= self.write_nice <= 19:
+            raise ValueError(f"write_nice must be 0..19, got {self.write_nice}")
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")

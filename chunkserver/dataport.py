@@ -63,6 +63,7 @@ from kvfs import tls, wire
 from kvfs.buffers import PAGE, address_of, memmove
 from kvfs.errors import KvfsError, PermissionDenied
 from kvfs.grants import require_owner, require_read_grant, write_receipt
+from kvfs.priority import lower_thread_priority
 
 from .store import ChunkStore, PlannedRead, short_id
 
@@ -222,6 +223,7 @@ class _Handler(socketserver.BaseRequestHandler):
         self.reads = self.server.reads["local" if self.local else "tcp"]
         self.shm_reads = self.server.reads["shm"]
         self.tls = not self.local and self.server.tls is not None
+        self.writes = False  # has this connection carried a write (its thread then runs at write_nice)
         if self.local:
             self.peer, self.client_address = local_peer(self.sock)
         else:
@@ -286,6 +288,9 @@ class _Handler(socketserver.BaseRequestHandler):
                     if header.kind == wire.SHM_REGISTER:
                         self._register_shm(header, body)
                     elif header.kind in (wire.WRITE, wire.WRITE_SHM):
+                        if not self.writes:  # a connection that writes is a writer's (the SDK keeps them apart)
+                            self.writes = True
+                            lower_thread_priority(self.store.cfg.write_nice)
                         self._write(header, arrived, wire.parse_write(header, body), deadline)
                     else:
                         self._read(header, arrived, *wire.parse_read(header, body))

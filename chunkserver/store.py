@@ -41,6 +41,7 @@ from kvfs.config import MiB
 from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
 from kvfs import wire
 from kvfs.grants import owner_namespace
+from kvfs.priority import lower_thread_priority
 
 from .config import ChunkserverConfig
 from .pacing import ReadPacer
@@ -229,7 +230,10 @@ class ChunkStore:
         self._recover()
         self.reader = open_reader(cfg.io_engine, cfg.uring_entries)
         self._committer = _GroupCommitter(self._db)
-        self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io")
+        # writes' checksums and disk writes (reads have threads of their own): nicer, so restores come first
+        self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io",
+                                                         initializer=lower_thread_priority,
+                                                         initargs=(cfg.write_nice,))
         self._pool = AlignedBuffers(256 * MiB)
         self._writing: dict[bytes, asyncio.Future] = {}
         self._pins: collections.Counter[SlotRef] = collections.Counter()

@@ -4,6 +4,7 @@ write back KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from kvfs.errors import InvalidArgument, KvfsError, Unavailable
 from kvfs.grants import owner_record
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
+from kvfs.priority import lower_thread_priority
 from kvfs.proto import meta_pb2
 
 from .chunks import ChunkClient, chunk_checksum
@@ -85,6 +87,13 @@ class WriteResult:
     seconds: float
 
 
+def _gather(view: memoryview, pieces, src) -> int:
+    """Copies a chunk's pieces out of the payload into `view`; its checksum."""
+    for s, d, n in pieces:
+        view[s : s + n] = src[d : d + n]
+    return chunk_checksum(view)
+
+
 class Client:
     """The kvfs SDK, on asyncio (grpc.aio).
 
@@ -126,13 +135,19 @@ class Client:
 
     `metrics` (kvfs.client.ClientMetrics on the host process's Prometheus
     registry) counts lookups, restores and write-backs as this process saw them.
+
+    `write_nice` (default 10): a write-back's CPU work (gathering each chunk out of
+    the payload, checksumming it, sending it) runs on threads this much nicer than
+    the caller's (kvfs.priority, Linux), so on a host whose cores are busy the
+    restores of the same process, or of others, come first; 0 keeps the caller's
+    priority.
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
                  hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False,
-                 metrics: ClientMetrics | None = None, write_connections: int = 4):
+                 metrics: ClientMetrics | None = None, write_connections: int = 4, write_nice: int = 10):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.credentials = resolve_credentials(credentials, insecure)
@@ -146,7 +161,11 @@ class Client:
             "tcp": TcpTransport(data_connections, data_tls, self.backlog),
             "shm": ShmTransport(data_connections, data_tls, self.backlog),
         }
-        self._writer = DataWriter(write_connections, data_tls, local=transport != "tcp")
+        # a write-back's gathers, checksums and sends: lower priority than restores (kvfs.priority)
+        self._write_threads = concurrent.futures.ThreadPoolExecutor(
+            write_concurrency, thread_name_prefix="kvfs-write", initializer=lower_thread_priority,
+            initargs=(write_nice,))
+        self._writer = DataWriter(write_connections, data_tls, local=transport != "tcp", sender=self._write_threads)
         self._chunk_buffers = AlignedBuffers(write_concurrency * 4 * MiB)  # chunks being written
         self._grpc_writes: dict[str, float] = {}  # data port -> until when (monotonic) writes to it take gRPC
         self.block_tokens = block_tokens
@@ -167,6 +186,7 @@ class Client:
         for c in self._chunk_clients.values():
             await c.close()
         await self.router.close()
+        self._write_threads.shutdown(wait=False)
 
     async def __aenter__(self) -> Client:
         return self
@@ -341,9 +361,8 @@ class Client:
             else:
                 slot, buf = None, self._chunk_buffers.get(-(-length // PAGE) * PAGE)
                 view = memoryview(buf)[:length]
-            for s, d, n in pieces:
-                view[s : s + n] = src[d : d + n]
-            xxh = entry.chunk_checksums[index] = chunk_checksum(view)
+            xxh = entry.chunk_checksums[index] = await asyncio.get_running_loop().run_in_executor(
+                self._write_threads, _gather, view, pieces, src)
             copies = await asyncio.gather(*(self._store_chunk(address, data_address, placement.chunk_id, view, owner,
                                                               xxh, slot)
                                             for address, data_address in zip(placement.addresses, data_addresses)),

@@ -40,6 +40,7 @@ import socket
 import ssl
 import struct
 import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -744,9 +745,11 @@ class DataWriter(TcpTransport):
     name = "data port"
     MAX_SLOTS_BYTES = 64 << 20  # the write slots' memory file, at most
 
-    def __init__(self, connections: int = 4, tls: ssl.SSLContext | None = None, local: bool = True):
+    def __init__(self, connections: int = 4, tls: ssl.SSLContext | None = None, local: bool = True,
+                 sender: Executor | None = None):
         super().__init__(connections, tls)
         self.use_local = local
+        self.sender = sender  # the threads that send WRITE frames (None: the loop's default executor)
         self.slots: WriteSlots | None = None
         self._local: dict[str, bool] = {}
 
@@ -779,7 +782,7 @@ class DataWriter(TcpTransport):
         rid, future = conn.expect_write(loop)
         at = self.slots.offset(slot) if slot is not None and conn.write_mapping is not None else None
         if not future.done():
-            await loop.run_in_executor(None, conn.send_write, rid, chunk_id, memoryview(data).cast("B"), checksum,
+            await loop.run_in_executor(self.sender, conn.send_write, rid, chunk_id, memoryview(data).cast("B"), checksum,
                                        owner, at)
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)

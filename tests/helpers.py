@@ -269,6 +269,19 @@ def thread_count(pid: int) -> int:
     raise AssertionError("no Threads")
 
 
+def thread_nices(pid: int) -> dict[int, int]:
+    """A process's threads' niceness, by thread id (/proc/<pid>/task/*/stat, field 19)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = int(fields[16])  # fields[0] is field 3, the state
+    return out
+
+
 def fd_count(pid: int) -> int:
     """A process's open file descriptors (/proc/<pid>/fd)."""
     return len(os.listdir(f"/proc/{pid}/fd"))

@@ -257,19 +257,20 @@ def test_tenants_bench_reports_both_configurations(tmp_path):
 
 def test_mixed_bench_times_restores_alone_and_under_write_backs(tmp_path):
     report, stdout = run(["mixed", "--restore-tokens", "256", "--write-tokens", "128", "--writers", "2",
-                          "--restorers", "1", "--seconds", "1", "--chunkservers", "2", "--write-yield", "0,50ms"],
-                         tmp_path)
+                          "--restorers", "1", "--seconds", "1", "--chunkservers", "2", "--write-yield", "0,50ms",
+                          "--write-nice", "0,10"], tmp_path)
     assert report["bench"] == "mixed" and report["config"]["write_yields"] == ["0", "50ms"]
+    assert report["config"]["write_nices"] == [0, 10]
     rows = report["results"]
-    assert [r["write_yield"] for r in rows] == ["0", "50ms"]
+    assert [(r["write_yield"], r["write_nice"]) for r in rows] == [("0", 0), ("0", 10), ("50ms", 0), ("50ms", 10)]
     for r in rows:
         for phase in ("alone", "with_writes"):
             assert r[phase]["count"] >= 1 and r[phase]["p99_ms"] >= r[phase]["p50_ms"] > 0
         assert abs(r["p99_ratio"] - r["with_writes"]["p99_ms"] / r["alone"]["p99_ms"]) < 1e-9
         assert r["write_gbps"] > 0 and r["write_failures"] == 0
         assert abs(r["write_over_raw"] - r["write_disk_gbps"] / r["raw_write_gbps"]) < 1e-9
-    assert rows[0]["writes_deferred"] == 0  # writes never wait with write_yield 0
-    assert "write-backs failed: 0, 0" in stdout
+    assert rows[0]["writes_deferred"] == rows[1]["writes_deferred"] == 0  # writes never wait with write_yield 0
+    assert "write-backs failed: 0, 0, 0, 0" in stdout
 
 
 @pytest.mark.root

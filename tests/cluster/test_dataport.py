@@ -3,6 +3,7 @@ malformed frames, and clients that vanish mid-transfer."""
 
 import os
 import socket
+import threading
 
 import pytest
 
@@ -13,11 +14,13 @@ from kvfs.client.transport import ServerInfo, is_local
 from kvfs.errors import DataLoss
 from kvfs.keys import Namespace
 from kvfs.layout import BlockLayout
+from kvfs.priority import thread_nice
 from kvfs.proto import meta_pb2
 
 from test_metrics import scrape
 
-from helpers import data_connection, flip_bytes, local_read_grant, recv_exactly, restore_all, tokens_for, wait_until
+from helpers import (data_connection, flip_bytes, local_read_grant, recv_exactly, restore_all, thread_nices, tokens_for,
+                     wait_until)
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -306,3 +309,28 @@ async def test_a_read_reply_tells_the_backlog_other_clients_left_at_the_server(c
     assert small_read() == 24
     stalled.close()
     wait_until(lambda: small_read() == 0, 10, "the stalled client's backlog gone with it")
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+async def test_write_work_runs_nicer_than_the_threads_that_serve_restores(local_cluster, transport):
+    cluster = local_cluster(chunk_extra=["--write-nice", "6"])
+    pids = [cs.pid for cs in cluster.chunkservers]
+    base = {pid: thread_nices(pid)[pid] for pid in pids}  # each server's main thread: its loop
+
+    def niced(pid):
+        return sum(n == min(19, base[pid] + 6) for n in thread_nices(pid).values())
+
+    tokens = tokens_for(8, seed=5)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport=transport, write_nice=5) as writer:
+        await writer.write(NS, tokens, payload, MLA)
+        mine = [t for t in threading.enumerate() if t.name.startswith("kvfs-write")]
+        assert mine and {thread_nice(t.native_id) for t in mine} == {min(19, thread_nice() + 5)}
+        while_open = {pid: niced(pid) for pid in pids}
+        assert all(while_open.values()), while_open  # every server stored chunks on nicer threads
+        assert {pid: thread_nices(pid)[pid] for pid in pids} == base
+    # the writer's data connections closed: their threads on the servers end, the store's stay
+    wait_until(lambda: sum(map(niced, pids)) < sum(while_open.values()), what="write connection threads ended")
+    async with Client(cluster.meta_address, transport=transport) as reader:
+        out, _, _ = await restore(reader, tokens)
+    assert bytes(out) == payload

@@ -1,0 +1,55 @@
+"""Reads first on the CPU: threads that do write work run at a lower scheduling
+priority than the ones that serve restores.
+
+On a host whose cores restores and write-backs share (a chunkserver serving
+both, an engine restoring one prompt while writing another back), the kernel's
+scheduler decides who runs; a write-back's copies and sends then take cores a
+restore is waiting for, however its queues are ordered. A niceness of 10 gives
+a thread about a tenth of the CPU weight of one at 0 while both want it, and all
+of it when nothing else does, so writes still run at full speed on an idle host.
+
+Linux sets the niceness of one thread with setpriority(PRIO_PROCESS, its tid);
+raising it (lowering the priority) needs no privilege, and it cannot be taken
+back without one, so only threads that do nothing but write work are lowered.
+Elsewhere the call is refused and logged, and writes run at the caller's
+priority.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+MAX_NICE = 19
+_refused_logged = False
+
+
+def thread_nice(tid: int | None = None) -> int:
+    """The niceness of a thread of this process (the calling one by default)."""
+    return os.getpriority(os.PRIO_PROCESS, tid if tid is not None else threading.get_native_id())
+
+
+def lower_thread_priority(by: int) -> bool:
+    """Raises the calling thread's niceness by `by` (capped at 19), for this thread
+    only; True if it now runs at that lower priority. `by` <= 0 changes nothing."""
+    global _refused_logged
+    if by <= 0:
+        return False
+    if not sys.platform.startswith("linux"):  # elsewhere PRIO_PROCESS would lower the whole process
+        if not _refused_logged:
+            _refused_logged = True
+            log.warning("write threads keep their priority: per-thread niceness is Linux's (%s here)", sys.platform)
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, thread_nice(tid) + by))
+    except OSError as err:
+        if not _refused_logged:
+            _refused_logged = True
+            log.warning("write threads keep their priority: setpriority refused (%s)", err.strerror)
+        return False
+    return True
