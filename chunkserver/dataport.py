@@ -34,7 +34,9 @@ byte of it is read (a refused WRITE is answered STATUS and its connection
 closed: its bytes are already on the way); then they are received straight
 into a page-aligned buffer that O_DIRECT writes from without another copy,
 checked against the writer's checksum, and stored by the same group commit as
-gRPC's WriteChunk. The receipt comes back in WRITE_REPLY.
+gRPC's WriteChunk, all on the connection's own thread (ChunkStore.store_chunk:
+no turn of the event loop per chunk), which runs at `write_nice` once it has
+carried a write. The receipt comes back in WRITE_REPLY.
 
 The server sends each range widened to whole 64 KiB blocks with their stored
 checksums, and the client verifies them before handing anything over: the
@@ -44,7 +46,6 @@ server never touches the bytes it sends from the page cache.
 from __future__ import annotations
 
 import array
-import asyncio
 import concurrent.futures
 import fcntl
 import logging
@@ -409,11 +410,10 @@ class _Handler(socketserver.BaseRequestHandler):
         raise _Closed()
 
     def _store(self, req: wire.WriteRequest, view: memoryview) -> tuple[int, str, bool, bytes]:
-        """Stores the chunk through the store's loop: (code, message, created, receipt)."""
+        """Stores the chunk on this connection's thread: (code, message, created, receipt)."""
         key = self.server.cluster_key
         try:
-            created = asyncio.run_coroutine_threadsafe(
-                self.store.write(req.chunk_id, view, req.checksum, req.owner), self.server.loop).result()
+            created = self.store.store_chunk(req.chunk_id, view, req.checksum, req.owner)
         except KvfsError as err:
             log.warning("data port: write from %s: %s", self.client_address, err.message)
             return err.code.value[0], err.message, False, b""
@@ -610,10 +610,9 @@ class DataServer(socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], store: ChunkStore, metrics: ChunkMetrics,
-                 loop: asyncio.AbstractEventLoop, request_timeout: float = 10.0, peer_connections: int = 64,
+                 request_timeout: float = 10.0, peer_connections: int = 64,
                  cluster_key: bytes | None = None, tls_context: ssl.SSLContext | None = None):
         self.store = store
-        self.loop = loop  # the store's: writes are stored through it
         self.tls = tls_context  # TCP connections speak mutual TLS; None: --insecure, plaintext
         self.read_buffers = BufferBudget(store.cfg.data_read_buffers)
         self.write_buffers = BufferBudget(store.cfg.data_write_buffers)
@@ -727,7 +726,7 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, name: str, port: DataServer):
         self.port = port
         self.store, self.cluster_key, self.pool, self.reads = port.store, port.cluster_key, port.pool, port.reads
-        self.loop, self.write_seconds = port.loop, port.write_seconds
+        self.write_seconds = port.write_seconds
         self.tls = None  # the kernel vouches for a local peer; nothing on the local socket leaves the host
         self.read_buffers, self.write_buffers = port.read_buffers, port.write_buffers
         self.request_timeout = port.request_timeout
@@ -742,11 +741,10 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         super().shutdown_request(request)
 
 
-def start_data_server(listen: str, store: ChunkStore, metrics: ChunkMetrics, loop: asyncio.AbstractEventLoop,
-                      request_timeout: float = 10.0, peer_connections: int = 64,
+def start_data_server(listen: str, store: ChunkStore, metrics: ChunkMetrics, request_timeout: float = 10.0, peer_connections: int = 64,
                       cluster_key: bytes | None = None, credentials: tls.Credentials | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
-    server = DataServer((host, int(port)), store, metrics, loop, request_timeout, peer_connections, cluster_key,
+    server = DataServer((host, int(port)), store, metrics, request_timeout, peer_connections, cluster_key,
                         credentials.ssl_context(server=True) if credentials is not None else None)
     threading.Thread(target=server.serve_forever, args=(0.1,), name="data-port", daemon=True).start()
     log.info("data port serving on %s (%s reads, writes; TCP %s)", server.address,

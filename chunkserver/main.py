@@ -35,8 +35,7 @@ async def serve(cfg: ChunkserverConfig) -> None:
     registry = CollectorRegistry()
     metrics = ChunkMetrics(registry)
     host = cfg.listen.rsplit(":", 1)[0]
-    data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics, asyncio.get_running_loop(),
-                              cfg.data_request_timeout,
+    data = (start_data_server(cfg.data_listen or f"{host}:0", store, metrics, cfg.data_request_timeout,
                               cfg.data_peer_connections, key, creds) if cfg.data_listen != "off" else None)
     server = grpc_server(f"chunkserver {cfg.id}", creds)
     address = bound_address(cfg.listen, tls.add_port(server, cfg.listen, creds))
@@ -49,7 +48,8 @@ async def serve(cfg: ChunkserverConfig) -> None:
     chunk_pb2_grpc.add_ChunkServiceServicer_to_server(servicer, server)
     health_servicer = add_introspection(server, chunk_pb2.DESCRIPTOR.services_by_name["ChunkService"].full_name)
     readiness = Readiness(health_servicer, registered=not cfg.meta)
-    store.on_full = readiness.set_full
+    loop = asyncio.get_running_loop()
+    store.on_full = lambda full: loop.call_soon_threadsafe(readiness.set_full, full)  # writes' threads find it
     # without a metaserver nobody could copy a corrupt chunk back: the scrubber only reports
     scrubber = Scrubber(store, cfg.scrub_rate, cfg.scrub_interval, remove=bool(cfg.meta))
     metrics_server = None

@@ -235,7 +235,8 @@ class ChunkStore:
                                                          initializer=lower_thread_priority,
                                                          initargs=(cfg.write_nice,))
         self._pool = AlignedBuffers(256 * MiB)
-        self._writing: dict[bytes, asyncio.Future] = {}
+        self._writing: dict[bytes, threading.Event] = {}  # chunk id -> set once its write is done
+        self._write_lock = threading.Lock()  # over _writing: writes come from the loop's threads and the data port's
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()
         self._pin_lock = threading.Lock()  # pins are taken by gRPC reads and data-port threads
@@ -290,49 +291,61 @@ class ChunkStore:
     # -- writes ------------------------------------------------------------
 
     async def write(self, chunk_id: bytes, data: bytes | bytearray, expected: int, owner: bytes = b"") -> bool:
-        """Stores a chunk durably; False if an identical one was already there."""
-        return await run_to_completion(self._write(chunk_id, data, expected, owner))
+        """Stores a chunk durably; False if an identical one was already there. The
+        work is store_chunk's, on one of the store's write threads."""
+        loop = asyncio.get_running_loop()
+        return await run_to_completion(loop.run_in_executor(self._io, self.store_chunk, chunk_id, data, expected,
+                                                            owner))
 
-    async def _write(self, chunk_id: bytes, data: bytes | bytearray, expected: int, owner: bytes = b"") -> bool:
+    def store_chunk(self, chunk_id: bytes, data: bytes | bytearray | memoryview, expected: int,
+                    owner: bytes = b"") -> bool:
+        """write(), blocking, from any thread but the event loop's (a data-port
+        connection calls it on its own: a chunk's checksums, its disk write and the
+        wait for its group commit take no turn of the loop and no other thread)."""
         self._check_id(chunk_id)
         if not 0 < len(data) <= self.cfg.max_chunk_size:
             raise InvalidArgument(f"chunk length must be 1..{self.cfg.max_chunk_size} bytes, got {len(data)}")
-        loop = asyncio.get_running_loop()
-        blocks = await loop.run_in_executor(self._io, block_checksums, data)
+        blocks = block_checksums(data)
         actual = checksum_of_blocks(blocks)
         if actual != expected:
             raise DataLoss(f"chunk {short_id(chunk_id)}: checksum mismatch on arrival "
                            f"(sent {expected:#018x}, received bytes hash to {actual:#018x}); nothing stored")
-        while chunk_id in self._writing:  # a concurrent writer of the same id goes first
-            await asyncio.shield(self._writing[chunk_id])
-        existing = self.get(chunk_id)
-        if existing is not None:
-            if existing.checksum == actual and existing.length == len(data):
-                return False
-            raise AlreadyExists(f"chunk {short_id(chunk_id)} exists with other bytes "
-                                f"({existing.length} bytes, xxh3 {existing.checksum:#018x}); chunks are write-once")
-        done = loop.create_future()
-        self._writing[chunk_id] = done
-        ref = None
+        while True:  # a concurrent writer of the same id goes first
+            with self._write_lock:
+                busy = self._writing.get(chunk_id)
+                if busy is None:
+                    done = self._writing[chunk_id] = threading.Event()
+                    break
+            busy.wait()
         try:
-            ref = await loop.run_in_executor(self._io, self._place, data)
-            rec = ChunkRecord(ref, len(data), actual, tuple(blocks), time.time(), bytes(owner))
-            await asyncio.wrap_future(self._committer.submit(
-                puts=[(_KEY_PREFIX + chunk_id, rec.pack())], fds=[self.slots.fds(ref).fd]))
-        except BaseException as err:
-            if ref is not None:
-                self.slots.free(ref)
-            elif isinstance(err, ResourceExhausted):  # no slot for it: capacity or filesystem full
-                self._set_full(True)
-            raise
+            existing = self.get(chunk_id)
+            if existing is not None:
+                if existing.checksum == actual and existing.length == len(data):
+                    return False
+                raise AlreadyExists(f"chunk {short_id(chunk_id)} exists with other bytes ({existing.length} "
+                                    f"bytes, xxh3 {existing.checksum:#018x}); chunks are write-once")
+            ref = None
+            try:
+                ref = self._place(data)
+                rec = ChunkRecord(ref, len(data), actual, tuple(blocks), time.time(), bytes(owner))
+                self._committer.submit(puts=[(_KEY_PREFIX + chunk_id, rec.pack())],
+                                       fds=[self.slots.fds(ref).fd]).result()
+            except BaseException as err:
+                if ref is not None:
+                    self.slots.free(ref)
+                elif isinstance(err, ResourceExhausted):  # no slot for it: capacity or filesystem full
+                    self._set_full(True)
+                raise
         finally:
-            del self._writing[chunk_id]
-            done.set_result(None)
-        self._set_full(False)
-        self.chunk_count += 1
-        self.used_bytes += len(data)
-        self.counters.writes += 1
-        self.counters.write_bytes += len(data)
+            with self._write_lock:
+                del self._writing[chunk_id]
+            done.set()
+        with self._pin_lock:  # the loop's deletes change the same counts
+            self.chunk_count += 1
+            self.used_bytes += len(data)
+            self.counters.writes += 1
+            self.counters.write_bytes += len(data)
+            self._set_full(False)
         return True
 
     def _yield_to_reads(self) -> None:
@@ -382,6 +395,8 @@ class ChunkStore:
         return ref
 
     def _set_full(self, full: bool) -> None:
+        """Notes whether the store is full; on_full hears a change, on the thread
+        that found it (writes' threads or the loop), so it must be thread-safe."""
         if full != self.full:
             self.full = full
             self.on_full(full)
