@@ -231,7 +231,7 @@ class ChunkStore:
         self.reader = open_reader(cfg.io_engine, cfg.uring_entries)
         self._committer = _GroupCommitter(self._db)
         # writes' checksums and disk writes (reads have threads of their own): nicer, so restores come first
-        self._io = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="chunk-io",
+        self._io = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="chunk-io",
                                                          initializer=lower_thread_priority,
                                                          initargs=(cfg.write_nice,))
         self._pool = AlignedBuffers(256 * MiB)
