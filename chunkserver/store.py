@@ -38,7 +38,7 @@ from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 from kvfs.buffers import PAGE, AlignedBuffers, address_of
 from kvfs.checksum import BLOCK, block_checksum, block_checksums, checksum_of_blocks
 from kvfs.config import MiB
-from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted
+from kvfs.errors import AlreadyExists, DataLoss, Internal, InvalidArgument, ResourceExhausted, Unavailable
 from kvfs import wire
 from kvfs.grants import owner_namespace
 from kvfs.priority import lower_thread_priority
@@ -237,6 +237,9 @@ class ChunkStore:
         self._pool = AlignedBuffers(256 * MiB)
         self._writing: dict[bytes, threading.Event] = {}  # chunk id -> set once its write is done
         self._write_lock = threading.Lock()  # over _writing: writes come from the loop's threads and the data port's
+        self._writes_in_flight = 0  # store_chunk calls under way (close() waits for them)
+        self._writes_done = threading.Condition(self._write_lock)
+        self._closing = False
         self._pins: collections.Counter[SlotRef] = collections.Counter()
         self._free_after_read: set[SlotRef] = set()
         self._pin_lock = threading.Lock()  # pins are taken by gRPC reads and data-port threads
@@ -272,9 +275,15 @@ class ChunkStore:
                  self.chunk_count, self.used_bytes, time.monotonic() - started, self.io_mode)
 
     def close(self) -> None:
+        """Refuses new writes, lets the ones under way finish (their group commits
+        included: the committer is still running), then closes everything."""
+        with self._write_lock:
+            self._closing = True
+            while self._writes_in_flight:
+                self._writes_done.wait()
+        self._io.shutdown(wait=True, cancel_futures=True)
         self._committer.close()
         self.reader.close()
-        self._io.shutdown(wait=True)
         self._db.close()
         self.slots.close()
 
@@ -310,6 +319,19 @@ class ChunkStore:
         if actual != expected:
             raise DataLoss(f"chunk {short_id(chunk_id)}: checksum mismatch on arrival "
                            f"(sent {expected:#018x}, received bytes hash to {actual:#018x}); nothing stored")
+        with self._write_lock:
+            if self._closing:
+                raise Unavailable(f"chunk {short_id(chunk_id)}: this chunkserver is shutting down; write it "
+                                  f"elsewhere")
+            self._writes_in_flight += 1
+        try:
+            return self._store_admitted(chunk_id, data, actual, blocks, owner)
+        finally:
+            with self._write_lock:
+                self._writes_in_flight -= 1
+                self._writes_done.notify_all()
+
+    def _store_admitted(self, chunk_id: bytes, data, actual: int, blocks: list[int], owner: bytes) -> bool:
         while True:  # a concurrent writer of the same id goes first
             with self._write_lock:
                 busy = self._writing.get(chunk_id)
@@ -334,7 +356,8 @@ class ChunkStore:
                 if ref is not None:
                     self.slots.free(ref)
                 elif isinstance(err, ResourceExhausted):  # no slot for it: capacity or filesystem full
-                    self._set_full(True)
+                    with self._pin_lock:  # as a write stored or a delete clears it: one order of changes
+                        self._set_full(True)
                 raise
         finally:
             with self._write_lock:

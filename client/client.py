@@ -139,7 +139,8 @@ class Client:
     `write_nice` (default 10): a write-back's CPU work (gathering each chunk out of
     the payload, checksumming it, sending it) runs on threads this much nicer than
     the caller's (kvfs.priority, Linux), so on a host whose cores are busy the
-    restores of the same process, or of others, come first; 0 keeps the caller's
+    restores of the same process, and of other processes in its scheduling group
+    (niceness ranks threads within one cgroup), come first; 0 keeps the caller's
     priority.
     """
 
@@ -181,12 +182,14 @@ class Client:
         self.hedges = HedgeBudget(hedge_budget)
 
     async def close(self) -> None:
-        for t in [*self._transports.values(), self._writer]:
-            await t.close()
-        for c in self._chunk_clients.values():
-            await c.close()
-        await self.router.close()
-        self._write_threads.shutdown(wait=False)
+        try:
+            for t in [*self._transports.values(), self._writer]:
+                await t.close()
+            for c in self._chunk_clients.values():
+                await c.close()
+            await self.router.close()
+        finally:
+            self._write_threads.shutdown(wait=False)
 
     async def __aenter__(self) -> Client:
         return self
@@ -361,8 +364,12 @@ class Client:
             else:
                 slot, buf = None, self._chunk_buffers.get(-(-length // PAGE) * PAGE)
                 view = memoryview(buf)[:length]
-            xxh = entry.chunk_checksums[index] = await asyncio.get_running_loop().run_in_executor(
-                self._write_threads, _gather, view, pieces, src)
+            gathered = asyncio.get_running_loop().run_in_executor(self._write_threads, _gather, view, pieces, src)
+            try:
+                xxh = entry.chunk_checksums[index] = await asyncio.shield(gathered)
+            except asyncio.CancelledError:
+                await asyncio.wait([gathered])  # it still reads the payload: the caller may free it once we return
+                raise
             copies = await asyncio.gather(*(self._store_chunk(address, data_address, placement.chunk_id, view, owner,
                                                               xxh, slot)
                                             for address, data_address in zip(placement.addresses, data_addresses)),

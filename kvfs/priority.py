@@ -8,6 +8,13 @@ restore is waiting for, however its queues are ordered. A niceness of 10 gives
 a thread about a tenth of the CPU weight of one at 0 while both want it, and all
 of it when nothing else does, so writes still run at full speed on an idle host.
 
+Niceness ranks threads within one scheduling group (a cgroup: a systemd service,
+a Kubernetes pod), so it orders a process's own threads and those of processes
+beside it, not a pod against another. A thread a nicer one starts inherits its
+niceness, and a nicer thread holding the GIL still keeps the others of its
+process waiting for it: the threads lowered here do their heavy work in calls
+that let go of the GIL (xxh3, pwrite, sendall, the commit's wait).
+
 Linux sets the niceness of one thread with setpriority(PRIO_PROCESS, its tid);
 raising it (lowering the priority) needs no privilege, and it cannot be taken
 back without one, so only threads that do nothing but write work are lowered.

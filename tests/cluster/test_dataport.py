@@ -3,7 +3,6 @@ malformed frames, and clients that vanish mid-transfer."""
 
 import os
 import socket
-import threading
 
 import pytest
 
@@ -324,12 +323,12 @@ async def test_write_work_runs_nicer_than_the_threads_that_serve_restores(local_
     payload = os.urandom(MLA.buffer_bytes(len(tokens)))
     async with Client(cluster.meta_address, transport=transport, write_nice=5) as writer:
         await writer.write(NS, tokens, payload, MLA)
-        mine = [t for t in threading.enumerate() if t.name.startswith("kvfs-write")]
+        mine = list(writer._write_threads._threads)  # this client's, not another's left over
         assert mine and {thread_nice(t.native_id) for t in mine} == {min(19, thread_nice() + 5)}
         while_open = {pid: niced(pid) for pid in pids}
         assert all(while_open.values()), while_open  # every server stored chunks on nicer threads
         assert {pid: thread_nices(pid)[pid] for pid in pids} == base
-    # the writer's data connections closed: their threads on the servers end, the store's stay
+    # the writer's data connections closed: their threads on the servers were the nicer ones, and end
     wait_until(lambda: sum(map(niced, pids)) < sum(while_open.values()), what="write connection threads ended")
     async with Client(cluster.meta_address, transport=transport) as reader:
         out, _, _ = await restore(reader, tokens)

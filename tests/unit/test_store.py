@@ -2,6 +2,8 @@
 
 import asyncio
 import os
+import threading
+import time
 
 import grpc
 import pytest
@@ -10,7 +12,7 @@ from kvfs.checksum import chunk_checksum as checksum
 from kvfs.chunkserver.store import BLOCK, ChunkRecord, ChunkStore
 from kvfs.chunkserver.slots import SlotRef
 from kvfs.chunkserver.config import ChunkserverConfig
-from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument
+from kvfs.errors import AlreadyExists, DataLoss, InvalidArgument, Unavailable
 
 MiB = 1 << 20
 
@@ -197,3 +199,34 @@ async def test_reads_first_a_write_waits_for_the_client_reads_in_flight(make_sto
     store.release(plan, client=False)
     assert await asyncio.wait_for(put(store, b"w3", os.urandom(100_000)), 30) is True
     assert store.counters.writes_deferred == 1
+
+
+def test_close_lets_a_write_under_way_finish_and_refuses_new_ones(make_store):
+    store = make_store(write_yield=60.0)
+    first = os.urandom(100_000)
+    assert store.store_chunk(b"r", first, checksum(first))
+    _, plan = store.plan_reads([(b"r", 0, 0)])  # a client read in flight: the next write waits for it
+    data = os.urandom(100_000)
+    result, closed = {}, threading.Event()
+    writer = threading.Thread(target=lambda: result.update(stored=store.store_chunk(b"w", data, checksum(data))))
+    writer.start()
+    deadline = time.monotonic() + 30
+    while not store.writes_waiting:  # the write is under way, at the disk's door
+        assert time.monotonic() < deadline and writer.is_alive()
+        time.sleep(0.01)
+    closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+    closer.start()
+    while not store._closing:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(Unavailable, match="shutting down"):  # nothing new is taken meanwhile
+        store.store_chunk(b"late", data, checksum(data))
+    assert not closed.is_set()  # close waits for the write under way
+    store.release(plan)
+    writer.join(30)
+    assert closed.wait(30) and result == {"stored": True}
+    reopened = ChunkStore(store.cfg)  # the write it let finish was committed before the index closed
+    try:
+        assert reopened.get(b"w") is not None and reopened.get(b"late") is None
+    finally:
+        reopened.close()
