@@ -276,7 +276,7 @@ def thread_nices(pid: int) -> dict[int, int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile (gone, or going)
             continue
         out[int(tid)] = int(fields[16])  # fields[0] is field 3, the state
     return out
