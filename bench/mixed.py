@@ -129,8 +129,9 @@ def one_config(root: pathlib.Path, write_yield: str, write_nice: int, restore_to
             mixed = asyncio.run(_restores(cluster.meta_address, prompt, seconds, restorers, transport, pool))
             write_rate = (written.value - w0) / (time.perf_counter() - t0)
         deferred, deferred_s = asyncio.run(_deferred(cluster))
-    report = {"write_yield": write_yield, "write_nice": write_nice, "alone": _summary(alone), "with_writes": _summary(mixed),
-              "raw_write_gbps": raw, "write_gbps": write_rate / 1e9, "write_disk_gbps": REPLICAS * write_rate / 1e9,
+    report = {"write_yield": write_yield, "write_nice": write_nice, "alone": _summary(alone),
+              "with_writes": _summary(mixed), "raw_write_gbps": raw, "write_gbps": write_rate / 1e9,
+              "write_disk_gbps": REPLICAS * write_rate / 1e9,
               "write_failures": failed.value, "writes_deferred": deferred, "deferred_seconds": deferred_s}
     report["p99_ratio"] = report["with_writes"]["p99_ms"] / report["alone"]["p99_ms"]
     report["p50_ratio"] = report["with_writes"]["p50_ms"] / report["alone"]["p50_ms"]
@@ -159,7 +160,8 @@ def run_mixed(restore_tokens: int, write_tokens: int, writers: int, restorers: i
                 "write-backs GB/s (payload / disks)", "/ raw write", "writes deferred"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["write_yield"], str(r["write_nice"]), f"{r['alone']['p50_ms']:.1f}", f"{r['alone']['p99_ms']:.1f}",
+        table.add_row(r["write_yield"], str(r["write_nice"]), f"{r['alone']['p50_ms']:.1f}",
+                      f"{r['alone']['p99_ms']:.1f}",
                       f"{r['with_writes']['p50_ms']:.1f}", f"{r['with_writes']['p99_ms']:.1f}",
                       f"{r['p99_ratio']:.2f}x", f"{r['write_gbps']:.2f} / {r['write_disk_gbps']:.2f}",
                       f"{r['write_over_raw']:.2f}", f"{r['writes_deferred']} ({r['deferred_seconds']:.1f} s)")

@@ -6,6 +6,7 @@ import dataclasses
 
 from kvfs.config import GiB, KiB, MiB, check_choices, check_listen, duration_field, option, size_field
 from kvfs.logs import log_format_option
+from kvfs.priority import WRITE_NICE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,9 +48,9 @@ class ChunkserverConfig:
     write_yield: float = duration_field(0.0, "reads first: a chunk write waits up to this long for the client "
                                         "reads in flight on this server to finish before it takes the disk (0: "
                                         "writes never wait)")
-    write_nice: int = option(10, "reads first on the CPU: threads that store chunks (data-port connections that "
-                             "write, checksums and disk writes) run this much nicer than the server, so writes take "
-                             "the cores restores leave (0-19; 0: the same priority)")
+    write_nice: int = option(WRITE_NICE, "reads first on the CPU: threads that store chunks (data-port connections "
+                             "that write, checksums and disk writes) run this much nicer than the server, so writes "
+                             "take the cores restores leave (0-19; 0: the same priority)")
     tenant_read_rate: int = size_field(0, "bytes per second one tenant's reads may take from this server (data "
                                        "port and gRPC; the read grant names the tenant), in bursts of up to a "
                                        "second's worth: past it, that tenant's reads wait; 0: unpaced")

@@ -741,7 +741,8 @@ class LocalDataServer(socketserver.ThreadingUnixStreamServer):
         super().shutdown_request(request)
 
 
-def start_data_server(listen: str, store: ChunkStore, metrics: ChunkMetrics, request_timeout: float = 10.0, peer_connections: int = 64,
+def start_data_server(listen: str, store: ChunkStore, metrics: ChunkMetrics, request_timeout: float = 10.0,
+                      peer_connections: int = 64,
                       cluster_key: bytes | None = None, credentials: tls.Credentials | None = None) -> DataServer:
     host, port = listen.rsplit(":", 1)
     server = DataServer((host, int(port)), store, metrics, request_timeout, peer_connections, cluster_key,

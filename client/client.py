@@ -18,7 +18,7 @@ from kvfs.errors import InvalidArgument, KvfsError, Unavailable
 from kvfs.grants import owner_record
 from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
-from kvfs.priority import lower_thread_priority
+from kvfs.priority import WRITE_NICE, lower_thread_priority
 from kvfs.proto import meta_pb2
 
 from .chunks import ChunkClient, chunk_checksum
@@ -148,7 +148,8 @@ class Client:
                  read_batch: int = 8, write_concurrency: int = 16, timeout: float = 30.0,
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
                  hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False,
-                 metrics: ClientMetrics | None = None, write_connections: int = 4, write_nice: int = 10):
+                 metrics: ClientMetrics | None = None, write_connections: int = 4,
+                 write_nice: int = WRITE_NICE):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.credentials = resolve_credentials(credentials, insecure)

@@ -782,8 +782,8 @@ class DataWriter(TcpTransport):
         rid, future = conn.expect_write(loop)
         at = self.slots.offset(slot) if slot is not None and conn.write_mapping is not None else None
         if not future.done():
-            await loop.run_in_executor(self.sender, conn.send_write, rid, chunk_id, memoryview(data).cast("B"), checksum,
-                                       owner, at)
+            await loop.run_in_executor(self.sender, conn.send_write, rid, chunk_id, memoryview(data).cast("B"),
+                                       checksum, owner, at)
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:

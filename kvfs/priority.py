@@ -32,6 +32,7 @@ import threading
 log = logging.getLogger(__name__)
 
 MAX_NICE = 19
+WRITE_NICE = 10  # the default for write threads, the SDK's and the chunkservers'
 _refused_logged = False
 
 
@@ -43,20 +44,22 @@ def thread_nice(tid: int | None = None) -> int:
 def lower_thread_priority(by: int) -> bool:
     """Raises the calling thread's niceness by `by` (capped at 19), for this thread
     only; True if it now runs at that lower priority. `by` <= 0 changes nothing."""
-    global _refused_logged
     if by <= 0:
         return False
     if not sys.platform.startswith("linux"):  # elsewhere PRIO_PROCESS would lower the whole process
-        if not _refused_logged:
-            _refused_logged = True
-            log.warning("write threads keep their priority: per-thread niceness is Linux's (%s here)", sys.platform)
-        return False
+        return _refused(f"per-thread niceness is Linux's ({sys.platform} here)")
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, thread_nice(tid) + by))
     except OSError as err:
-        if not _refused_logged:
-            _refused_logged = True
-            log.warning("write threads keep their priority: setpriority refused (%s)", err.strerror)
-        return False
+        return _refused(f"setpriority refused ({err.strerror})")
     return True
+
+
+def _refused(why: str) -> bool:
+    """Logs, once per process, why write threads keep their priority; False."""
+    global _refused_logged
+    if not _refused_logged:
+        _refused_logged = True
+        log.warning("write threads keep their priority: %s", why)
+    return False

@@ -1,6 +1,5 @@
 """Reads first on the CPU (kvfs.priority): write threads run nicer, only they."""
 
-import asyncio
 import os
 import threading
 
