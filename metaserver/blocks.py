@@ -38,8 +38,8 @@ from .groups import GROUP_SLOTS, group_key
 from .hits import PendingHits
 from .eviction import ArcPolicy
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
-                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_key,
-                      replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
+                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_group,
+                      replica_key, replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
                       sortable, u64, victim_key)
 from .usage import Usage
 
@@ -420,7 +420,11 @@ class BlockTable:
 
     @staticmethod
     def put_row(batch: Batch, full: bytes, row: Row) -> None:
-        batch.put_row(full[:KEY_BYTES], row.slot, row.encode())
+        """Stages a row, and its group's replica index entries (one per server, put
+        once per batch; a removal leaves them, records.replica_key)."""
+        ns, group = full[:KEY_BYTES], row.slot // GROUP_SLOTS
+        batch.put_row(ns, row.slot, row.encode())
+        batch.replicas.update(replica_key(n, ns, group) for n in row.servers)
 
     def stored_chunks(self, row: Row) -> list[meta_pb2.StoredChunk]:
         return [meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
@@ -617,8 +621,6 @@ class BlockTable:
             batch.delete(expiry_key(old.last_used + old.ttl, full))
             self.unleaf(batch, victim_key(old.rank, old.last_used, old.depth, full))
             self.unqueue(batch, full)
-            for n in old.servers:
-                batch.delete(replica_key(n, full))
             garbage += self.stored_chunks(old)
             self.ranks.counted(old.rank, -1)
             self.blocks -= 1
@@ -665,8 +667,6 @@ class BlockTable:
             # a leaf, unless children of an earlier life of this block are still stored
             if full not in parents_of_new and not self.db.has_prefix(CHILD + full, gone_children):
                 self.leaf(batch, victim_key(row.rank, row.last_used, row.depth, full))
-            for n in row.servers:
-                batch.put(replica_key(n, full), b"")
             if check_short and any(len(c.replicas) < self.cfg.replicas for c in row.block_location().chunks):
                 batch.put(SHORT + full, b"")  # found short of copies: repair adds them
             self.blocks += 1
@@ -714,8 +714,6 @@ class BlockTable:
         else:
             self.unleaf(b, vkey)
         self.unqueue(b, full)
-        for n in row.servers:
-            b.delete(replica_key(n, full))
         staged.removed[full] = row
         if self.answers(row.hash_slot):
             staged.chunks += self.stored_chunks(row)
@@ -929,11 +927,30 @@ class BlockTable:
 
     # ---- replicas --------------------------------------------------------
 
-    def blocks_on(self, server: int, after: bytes = b"", limit: int = 1024) -> list[bytes]:
-        """Blocks with a copy of some chunk on server number `server`, in key order after `after`."""
+    def blocks_on(self, server: int, after: bytes = b"", limit: int = 1024) -> tuple[list[bytes], bytes | None]:
+        """Blocks with a copy of some chunk on server number `server`, a row group at a
+        time from the replica index entry after `after`, until `limit` blocks or groups:
+        (blocks, the last entry read, None once there is none). An entry whose group
+        holds no such block any more (its blocks went, or moved their copies) is deleted."""
         prefix = replica_prefix(server)
-        start = prefix + after + b"\x00" if after else prefix
-        return [k[-FULL:] for k, _ in self.db.scan(prefix, start=start, limit=limit)]
+        start = after + b"\x00" if after else prefix
+        fulls, stale, last = [], [], None
+        for key, _ in self.db.scan(prefix, start=start, limit=limit):
+            ns, group = replica_group(key)
+            value = self.db.get(group_key(ns, group))
+            keys = groups.keys_on(value, server) if value is not None else []
+            if not keys:
+                stale.append(key)
+            fulls += [ns + k for k in keys]
+            last = key
+            if len(fulls) >= limit:
+                break
+        if stale:
+            batch = Batch()
+            for key in stale:
+                batch.delete(key)
+            self.db.write(batch)
+        return fulls, last
 
     def unqueue(self, batch: Batch, full: bytes) -> None:
         """Takes a removed block off repair's queue, if it is on it. Never a blind
@@ -1003,12 +1020,7 @@ class BlockTable:
     def _rewrite(self, full: bytes, row: Row, loc: meta_pb2.BlockLocation, batch: Batch | None = None) -> None:
         own = batch is None
         batch = Batch() if own else batch
-        before = set(row.servers)
         row.set_location(loc)
-        for n in before - set(row.servers):
-            batch.delete(replica_key(n, full))
-        for n in set(row.servers) - before:
-            batch.put(replica_key(n, full), b"")
         if any(len(c.replicas) < self.cfg.replicas for c in loc.chunks):
             batch.put(SHORT + full, b"")
         self.put_row(batch, full, row)

@@ -174,6 +174,20 @@ def server_numbers(value: bytes) -> tuple[int, ...]:
     return struct.unpack_from(f"<{_U16.unpack_from(value, _NSERVERS)[0]}H", value, _SERVERS)
 
 
+def keys_on(value: bytes, server: int) -> list[bytes]:
+    """The block keys of the group's rows with a chunk on server number `server`."""
+    if server not in server_numbers(value):
+        return []
+    rests, starts = uses_at(value)
+    keys = []
+    for k in occupied(value):
+        at = rests + starts[k]
+        n = LOOKUP.unpack_from(value, at + KEY_BYTES)[0]
+        if server in struct.unpack_from(f"<{n}H", value, at + SERVERS):
+            keys.append(value[KEY_BYTES * k : KEY_BYTES * (k + 1)])
+    return keys
+
+
 def fewest_copies(value: bytes) -> int:
     """The fewest servers any chunk of the group's rows is on."""
     return value[_COPIES]

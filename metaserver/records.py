@@ -10,7 +10,7 @@ range scan that starts where the work is:
     x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
     v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
     w tenant rank last depth ns key -> b""   the same, per tenant (an 8-byte hash of its name): quotas
-    r server ns key           -> b""   blocks with a copy of some chunk on a server
+    r server ns group         -> b""   row groups that may hold a block with a copy on a server
     u ns key                  -> b""   blocks known short of copies (repair's queue)
     g ns key                  -> hits  ghost: hit counts of evicted blocks (LFU-DA)
     h seq ns key              -> b""   the ghost's order, oldest first (trimmed from the front)
@@ -58,7 +58,7 @@ ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 ALLOC_SETTLED = b"e"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
 
-FORMAT = 6  # of this layout; a database of another format is refused at start
+FORMAT = 7  # of this layout; a database of another format is refused at start (7: `r` per row group)
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -89,8 +89,18 @@ def victim_key(rank: float, last_used: float, depth: int, full: bytes) -> bytes:
     return VICTIM + sortable(rank) + sortable(last_used) + _U32.pack(0xFFFF_FFFF - min(depth, 0xFFFF_FFFF)) + full
 
 
-def replica_key(server: int, full: bytes) -> bytes:
-    return REPLICA + _U16.pack(server) + full
+def replica_key(server: int, namespace_digest: bytes, group: int) -> bytes:
+    """Row group `group` of a namespace may hold a block with a chunk on server number
+    `server`: one entry per server and group, not per block (a commit put three a
+    block, half of all its entries). Never deleted with a block: a superset, which
+    repair (BlockTable.blocks_on) checks row by row and trims where a group holds no
+    such block any more."""
+    return REPLICA + _U16.pack(server) + namespace_digest + _U64.pack(group)
+
+
+def replica_group(key: bytes) -> tuple[bytes, int]:
+    """The (namespace digest, group) a replica index key names."""
+    return key[3 : 3 + KEY_BYTES], _U64.unpack_from(key, 3 + KEY_BYTES)[0]
 
 
 def replica_prefix(server: int) -> bytes:

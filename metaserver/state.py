@@ -490,16 +490,22 @@ class MetaState:
         Repairs are chunks with fewer live copies than wanted (fewest first); lost
         blocks have a chunk no live server holds; healthy blocks leave the queue."""
         blocks = self.blocks
+
+        def short(after: bytes) -> tuple[list[bytes], bytes | None]:
+            fulls = blocks.short_blocks(limit, after)
+            return fulls, fulls[-1] if fulls else None
+
+        # each source: (blocks, where the next slice starts; None: no more)
         sources = [(lambda after, n=n: blocks.blocks_on(n, after, limit)) for n in self.members.dead_numbers()]
-        sources.append(lambda after: blocks.short_blocks(limit, after))
+        sources.append(short)
         for source in sources:
-            after = b""
-            while fulls := source(after):
+            fulls, after = source(b"")
+            while after is not None:  # a slice of stale index entries only yields nothing
                 repairs, lost, whole = blocks.check_replicas(fulls)
                 blocks.replicated(whole)
                 repairs.sort(key=lambda r: len(r.holders))
                 yield repairs, lost
-                after = fulls[-1]
+                fulls, after = source(after)
 
     def under_replicated(self) -> tuple[list[Repair], list[bytes]]:
         """Every slice of `replica_slices` at once (a block on two dead servers counted once)."""

@@ -871,3 +871,41 @@ def test_an_owner_records_parent_is_sealed():
     root = owner_seal(key, NS.digest + keys[0], 0, 1, LAYOUT_MSG, 64 * 1024, b"c" * 16, 3)
     assert root == tls.seal(key, tls.OWNER, NS.digest, keys[0], 0, 1, LAYOUT_MSG.layers, LAYOUT_MSG.block_tokens,
                             LAYOUT_MSG.kv_dim, LAYOUT_MSG.dtype, 64 * 1024, b"c" * 16, 3)
+
+
+def test_the_replica_index_names_row_groups_and_repair_trims_what_removals_left(make_state):
+    from kvfs.metaserver import records
+
+    from helpers import keys_under
+
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(320), 4)  # 80 blocks of one prompt: its first 64 fill one row group
+    write(state, keys[:64], ttl_class="chat")
+    write(state, keys[64:], parent=keys[63], ttl_class="short")
+    rows = {NS.digest + k: state.blocks.row(NS.digest + k) for k in keys}
+    assert len({r.slot // 64 for r in rows.values()}) == 2
+    wanted = {records.replica_key(n, NS.digest, r.slot // 64) for r in rows.values() for n in r.servers}
+    assert keys_under(state, records.REPLICA) == wanted  # an entry per server and group, not per block
+    assert len(wanted) <= 6
+
+    def listed(n):  # every block blocks_on names for server n, page by page
+        out, after = [], b""
+        while True:
+            fulls, after = state.blocks.blocks_on(n, after, limit=8)
+            if after is None:
+                return out
+            out += fulls
+
+    numbers = {n for r in rows.values() for n in r.servers}
+    for n in numbers:
+        assert sorted(listed(n)) == sorted(f for f, r in rows.items() if n in r.servers)
+    clock.now += 11  # the second group's blocks expire; their entries stay behind
+    state.expire_blocks()
+    assert keys_under(state, records.REPLICA) == wanted
+    for n in numbers:  # repair's listing finds the first group's blocks only, and trims the rest
+        assert sorted(listed(n)) == sorted(NS.digest + k for k in keys[:64] if n in rows[NS.digest + k].servers)
+    assert keys_under(state, records.REPLICA) == {
+        records.replica_key(n, NS.digest, rows[NS.digest + k].slot // 64) for k in keys[:64]
+        for n in rows[NS.digest + k].servers}
+    assert_metadata_consistent(state)
