@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 COMMIT_PIECE = 64  # blocks a commit decides and writes in one batch, between two turns of the event loop
 # ... while lookups keep coming (readsfirst.py), so that a lookup waits less for a piece under way.
-# Most of a piece is fixed cost (its reads, its RocksDB write of ~3.4 entries a block, ~7 when this was
-# measured, before the replica index named row groups): in-process
+# Most of a piece is fixed cost (its reads, its RocksDB write of ~2.4 entries a block, ~7 when this was
+# measured, before the replica and expiry indexes named row groups): in-process
 # at 300K blocks a 16-block piece took 0.67 ms (p50), an 8-block one 0.51. Pieces of 8 were tried:
 # at 1M (kvfs-bench meta) fewer commit steps over 2 ms and the same write rate, but at 10M the
 # eviction phase's writes fell from 2,747 to 1,826 blocks/s (each step is followed by the turns and

@@ -38,8 +38,8 @@ from .groups import GROUP_SLOTS, group_key
 from .hits import PendingHits
 from .eviction import ArcPolicy
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
-                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, replica_group,
-                      replica_key, replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
+                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, expiry_group,
+                      replica_group, replica_key, replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
                       sortable, u64, victim_key)
 from .usage import Usage
 
@@ -413,18 +413,16 @@ class BlockTable:
         """An eviction index entry's copy in its tenant's eviction index."""
         return TENANT_VICTIM + self.usage.tenant_id(victim[-FULL:][:KEY_BYTES]) + victim[1:]
 
-    def expires(self, batch: Batch, expiry: bytes) -> None:
-        """Stages an expiry index entry (`expiry_key`)."""
-        batch.put(expiry, b"")
-        self.expiry_floor = min(self.expiry_floor, expiry)
-
-    @staticmethod
-    def put_row(batch: Batch, full: bytes, row: Row) -> None:
-        """Stages a row, and its group's replica index entries (one per server, put
-        once per batch; a removal leaves them, records.replica_key)."""
+    def put_row(self, batch: Batch, full: bytes, row: Row) -> None:
+        """Stages a row, and its group's index entries, each put once per batch: one
+        per server its chunks are on (records.replica_key), and one at its expiry
+        (records.expiry_key). A removal leaves them; repair and expiry trim them."""
         ns, group = full[:KEY_BYTES], row.slot // GROUP_SLOTS
         batch.put_row(ns, row.slot, row.encode())
-        batch.replicas.update(replica_key(n, ns, group) for n in row.servers)
+        batch.marks.update(replica_key(n, ns, group) for n in row.servers)
+        expiry = expiry_key(row.last_used + row.ttl, ns, group)
+        batch.marks.add(expiry)
+        self.expiry_floor = min(self.expiry_floor, expiry)
 
     def stored_chunks(self, row: Row) -> list[meta_pb2.StoredChunk]:
         return [meta_pb2.StoredChunk(chunk_id=c.chunk_id, offset=c.offset, length=c.length, checksum=c.checksum,
@@ -578,8 +576,6 @@ class BlockTable:
             rank = self.ranks.rank(hits, last)
             self.ranks.counted(old[5], -1)
             self.ranks.counted(rank, 1)
-            batch.delete(expiry_key(last_used + ttl, full))
-            self.expires(batch, expiry_key(last + ttl, full))
             if leaf is not None:
                 self.unleaf(batch, old_victim)
                 self.leaf(batch, victim_key(rank, last, depth, full))
@@ -618,7 +614,6 @@ class BlockTable:
                     prow = self.row(old_parent)  # left without children: a leaf again
                     if prow is not None:
                         self.leaf(batch, victim_key(prow.rank, prow.last_used, prow.depth, old_parent))
-            batch.delete(expiry_key(old.last_used + old.ttl, full))
             self.unleaf(batch, victim_key(old.rank, old.last_used, old.depth, full))
             self.unqueue(batch, full)
             garbage += self.stored_chunks(old)
@@ -661,7 +656,6 @@ class BlockTable:
             if old is None:
                 batch.put(BLOCK + full, u64(row.slot))
             self.put_row(batch, full, row)
-            self.expires(batch, expiry_key(row.last_used + row.ttl, full))
             if parent is not None:
                 batch.put(child_key(parent, full), b"")
             # a leaf, unless children of an earlier life of this block are still stored
@@ -707,7 +701,6 @@ class BlockTable:
         b = staged.batch
         b.delete(BLOCK + full)
         b.delete_row(full[:KEY_BYTES], row.slot)
-        b.delete(expiry_key(row.last_used + row.ttl, full))
         vkey = victim_key(row.rank, row.last_used, row.depth, full)
         if vkey in staged.leaves:
             staged.leaves.discard(vkey)  # a leaf since earlier in this batch: never stored
@@ -805,20 +798,42 @@ class BlockTable:
         return staged.chunks
 
     def expire(self, limit: int = 1024) -> list[meta_pb2.StoredChunk]:
-        """Removes up to `limit` blocks past their TTL, soonest due first; their chunks."""
+        """Removes blocks past their TTL, soonest due first, a row group at a time from
+        the expiry index, until `limit` blocks went or `limit` entries were read; their
+        chunks. Each entry read is deleted, and one put for its group at the soonest
+        expiry of the rows left (a row hit since the last flush stays, its group to be
+        visited again from the next second: the flush moves its expiry)."""
         now = self.clock()
         due_keys = [k for k, _ in self.db.scan(EXPIRY, start=self.expiry_floor, limit=limit,
                                                stop=EXPIRY + u64(int(now)))]
         if due_keys:
             self.expiry_floor = due_keys[0]  # what lies below is deleted entries only
-        due = [k[-FULL:] for k in due_keys]
         staged = Staged()
-        for full, raw in zip(due, self.rows(due)):
-            if raw is None or self.hit_since_flush(full, raw):
-                continue  # gone, or hit meanwhile: flush_hits moves its expiry
-            row = Row.decode(raw)
-            if now > row.last_used + row.ttl:
-                self.remove(staged, full, row, stranding=True)
+        again: dict[tuple[bytes, int], float] = {}  # group -> when to visit it next
+        for key in due_keys:
+            ns, group = expiry_group(key)
+            staged.batch.delete(key)
+            value = self.db.get(group_key(ns, group))
+            if value is None:
+                continue  # every row of the group went meanwhile
+            soonest = math.inf
+            for k, expires_at in groups.expiries(value):
+                full = ns + value[KEY_BYTES * k : KEY_BYTES * (k + 1)]
+                if full in staged.removed:
+                    continue
+                if now > expires_at:
+                    raw = groups.row_at(value, k)
+                    if not self.hit_since_flush(full, raw):
+                        self.remove(staged, full, Row.decode(raw), stranding=True)
+                        continue
+                    expires_at = now + 1  # hit meanwhile: flush_hits moves its expiry
+                soonest = min(soonest, expires_at)
+            if soonest < math.inf:
+                again[(ns, group)] = min(again.get((ns, group), math.inf), soonest)
+            if len(staged.removed) >= limit:
+                break
+        for (ns, group), at in again.items():
+            staged.batch.marks.add(expiry_key(at, ns, group))
         self.write(staged)
         self.expired += len(staged.removed)
         return staged.chunks

@@ -43,14 +43,14 @@ def successor(prefix: bytes) -> bytes | None:
 class Batch:
     """One atomic change: a RocksDB WriteBatch, and the block rows it puts or
     removes, which go into their row groups (groups.py) when it is written, with
-    the replica index entries of the rows it puts, each once."""
+    the index entries of row groups the rows it puts need (replica, expiry), each once."""
 
-    __slots__ = ("wb", "rows", "replicas")
+    __slots__ = ("wb", "rows", "marks")
 
     def __init__(self):
         self.wb = WriteBatch(raw_mode=True)
         self.rows: dict[tuple[bytes, int], bytes | None] = {}  # (namespace digest, slot) -> row; None: removed
-        self.replicas: set[bytes] = set()  # records.replica_key entries to put
+        self.marks: set[bytes] = set()  # group index entries to put (records.replica_key, expiry_key)
 
     def put(self, key: bytes, value: bytes) -> None:
         self.wb.put(key, value)
@@ -126,7 +126,7 @@ class MetaDB:
     def write(self, batch: Batch) -> None:
         if batch.rows:
             groups.stage(self.db, batch.rows, batch.wb)
-        for key in batch.replicas:
+        for key in batch.marks:
             batch.wb.put(key, b"")
         self.db.write(batch.wb)
         self._writes += 1

@@ -174,6 +174,12 @@ def server_numbers(value: bytes) -> tuple[int, ...]:
     return struct.unpack_from(f"<{_U16.unpack_from(value, _NSERVERS)[0]}H", value, _SERVERS)
 
 
+def expiries(value: bytes) -> list[tuple[int, float]]:
+    """(slot in the group, last use + ttl) of each of the group's rows."""
+    times = _EXPIRY_ALL.unpack_from(value, _EXPIRES)
+    return [(k, times[k]) for k in occupied(value)]
+
+
 def keys_on(value: bytes, server: int) -> list[bytes]:
     """The block keys of the group's rows with a chunk on server number `server`."""
     if server not in server_numbers(value):

@@ -7,7 +7,7 @@ range scan that starts where the work is:
     b ns key                  -> slot   where a block's row is (8 bytes)
     l ns group                -> the rows of slots 64 x group .. 64 x group + 63 (groups.py)
     c ns parent child         -> b""   children of a block: leaves, descendants
-    x expiry ns key           -> b""   TTL: blocks due to expire, soonest first
+    x expiry ns group         -> b""   TTL: row groups to visit for rows due by then, soonest first
     v rank last depth ns key  -> b""   eviction: cached leaves, first victim first
     w tenant rank last depth ns key -> b""   the same, per tenant (an 8-byte hash of its name): quotas
     r server ns group         -> b""   row groups that may hold a block with a copy on a server
@@ -58,7 +58,7 @@ ALLOC, SERVER, COUNTER = b"a", b"s", b"m"
 ALLOC_SETTLED = b"e"
 NAMESPACE, USAGE, TENANT_VICTIM = b"n", b"p", b"w"
 
-FORMAT = 7  # of this layout; a database of another format is refused at start (7: `r` per row group)
+FORMAT = 7  # of this layout; a database of another format is refused at start (7: `r`, `x` per row group)
 FORMAT_KEY = COUNTER + b"format"
 
 _U64 = struct.Struct(">Q")
@@ -76,8 +76,13 @@ def child_key(parent_full: bytes, child_full: bytes) -> bytes:
     return CHILD + parent_full + child_full[KEY_BYTES:]
 
 
-def expiry_key(expires_at: float, full: bytes) -> bytes:
-    return EXPIRY + _U64.pack(max(0, int(expires_at))) + full
+def expiry_key(expires_at: float, namespace_digest: bytes, group: int) -> bytes:
+    """Row group `group` of a namespace is to be visited at second `expires_at` for rows
+    due by then: one entry per group and second, put with the rows (every row of the
+    group is due no sooner than some entry of its group says). Never deleted with a row,
+    nor moved when a hit pushes a row's expiry out: expiry (BlockTable.expire) visits the
+    group, removes what is due, and puts one entry at the soonest expiry left."""
+    return EXPIRY + _U64.pack(max(0, int(expires_at))) + namespace_digest + _U64.pack(group)
 
 
 def expiry_of(index_key: bytes) -> int:
@@ -101,6 +106,11 @@ def replica_key(server: int, namespace_digest: bytes, group: int) -> bytes:
 def replica_group(key: bytes) -> tuple[bytes, int]:
     """The (namespace digest, group) a replica index key names."""
     return key[3 : 3 + KEY_BYTES], _U64.unpack_from(key, 3 + KEY_BYTES)[0]
+
+
+def expiry_group(key: bytes) -> tuple[bytes, int]:
+    """The (namespace digest, group) an expiry index key names."""
+    return key[9 : 9 + KEY_BYTES], _U64.unpack_from(key, 9 + KEY_BYTES)[0]
 
 
 def replica_prefix(server: int) -> bytes:

@@ -909,3 +909,38 @@ def test_the_replica_index_names_row_groups_and_repair_trims_what_removals_left(
         records.replica_key(n, NS.digest, rows[NS.digest + k].slot // 64) for k in keys[:64]
         for n in rows[NS.digest + k].servers}
     assert_metadata_consistent(state)
+
+
+def test_the_expiry_index_names_row_groups_and_a_visit_moves_it_to_the_soonest_row_left(make_state):
+    from kvfs.metaserver import records
+
+    from helpers import keys_under
+
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(64), 4)  # 16 blocks in one row group
+    write(state, keys[:8], ttl_class="chat")
+    write(state, keys[8:], parent=keys[7], ttl_class="short")
+    rows = {k: state.blocks.row(NS.digest + k) for k in keys}
+    ns, group = NS.digest, rows[keys[0]].slot // 64
+    assert {rows[k].slot // 64 for k in keys} == {group}
+
+    def visits():
+        return sorted(records.expiry_of(k) for k in keys_under(state, records.EXPIRY)
+                      if records.expiry_group(k) == (ns, group))
+
+    chat, short = int(rows[keys[0]].last_used + rows[keys[0]].ttl), int(rows[keys[8]].last_used + 10)
+    assert visits() == [short, chat]  # an entry per group and second, not per block
+    assert len(keys_under(state, records.EXPIRY)) == 2
+    clock.now += 11
+    state.expire_blocks()  # the short blocks go; the visit leaves the chat blocks' entry
+    assert state.match(NS.digest, keys).matched == 8 and visits() == [chat]
+    clock.now += 100
+    state.match(NS.digest, keys)  # a hit pushes the chat blocks' expiry out...
+    state.flush_last_used()
+    assert visits() == [chat]  # ...and leaves their group's entry where it was
+    clock.now = chat + 50  # past the entry, not past the rows: the visit removes nothing and moves it
+    state.expire_blocks()
+    assert state.match(NS.digest, keys).matched == 8
+    assert visits() == [int(state.blocks.row(NS.digest + keys[0]).last_used + rows[keys[0]].ttl)]
+    assert_metadata_consistent(state)
