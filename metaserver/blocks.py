@@ -38,9 +38,9 @@ from .groups import GROUP_SLOTS, group_key
 from .hits import PendingHits
 from .eviction import ArcPolicy
 from .records import (BLOCK, CHILD, COUNTER, EXPIRY, FULL, GHOST, GHOST_ORDER, LOOKUP, ROW, SHORT, TENANT_VICTIM,
-                      VICTIM, Row, child_key, expiry_key, frame, location_offset, read_u64, reframe_live, expiry_group,
-                      replica_group, replica_key, replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout, row_parent, row_slot,
-                      sortable, u64, victim_key)
+                      VICTIM, Row, child_key, expiry_group, expiry_key, frame, location_offset, read_u64, reframe_live,
+                      replica_group, replica_key, replica_prefix, reply_layout, reply_tail, row_hash_slot, row_layout,
+                      row_parent, row_slot, sortable, u64, victim_key)
 from .usage import Usage
 
 log = logging.getLogger(__name__)
