@@ -142,6 +142,12 @@ class Client:
     restores of the same process, and of other processes in its scheduling group
     (niceness ranks threads within one cgroup), come first; 0 keeps the caller's
     priority.
+
+    `warm_reads` (default on): the data connections restores use are opened in
+    the background as soon as the client learns of a server, from a lookup that
+    matched or a write-back's placement, so that a restore finds them open (an
+    engine's first hit otherwise pays for opening them; `data_connections` per
+    server).
     """
 
     def __init__(self, metaserver: str, *, block_tokens: int = 64, per_server_reads: int = 4,
@@ -149,7 +155,7 @@ class Client:
                  transport: str = "auto", data_connections: int = 2, hedge: bool = True,
                  hedge_budget: float = 0.05, credentials: tls.Credentials | None = None, insecure: bool = False,
                  metrics: ClientMetrics | None = None, write_connections: int = 4,
-                 write_nice: int = WRITE_NICE):
+                 write_nice: int = WRITE_NICE, warm_reads: bool = True):
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         self.credentials = resolve_credentials(credentials, insecure)
@@ -179,6 +185,7 @@ class Client:
         self._chunk_clients: dict[str, ChunkClient] = {}
         self._tenant_keys: dict[str, bytes] = {}
         self.hedge = hedge
+        self.warm_reads = warm_reads
         self.latency = ServerLatency()
         self.hedges = HedgeBudget(hedge_budget)
 
@@ -216,6 +223,17 @@ class Client:
             return self._transports["shm"]
         return self._transports["tcp"]
 
+    def _warm(self, data_addresses) -> None:
+        """Opens the restores' data connections to these servers in the background
+        (warm_reads; Transport.warm where the transport has one)."""
+        if not self.warm_reads:
+            return
+        for address in set(data_addresses):
+            if address:
+                warm = getattr(self.transport_for(ServerInfo("", "", address)), "warm", None)
+                if warm is not None:
+                    warm(address)
+
     async def _meta_call(self, name: str, request, first_key: bytes | None = None):
         """MetaService method `name` at the metaserver holding the prompt that starts
         with `first_key` (routing.py; None: any); a typed error if it fails."""
@@ -247,6 +265,8 @@ class Client:
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.looked_up(len(keys), reply.matched, seconds)
+        if reply.matched:
+            self._warm(s.data_address for s in reply.servers)
         m = reply.layout
         return PrefixMatch(namespace, keys, reply.matched, self.block_tokens, reply.blocks,
                            [ServerInfo(s.id, s.address, s.data_address) for s in reply.servers],
@@ -314,6 +334,8 @@ class Client:
         alloc = await self._meta_call("AllocateBlocks", meta_pb2.AllocateBlocksRequest(
             namespace=_ns(namespace), keys=keys[first_block:], layout=_layout_msg(layout),
             parent=keys[first_block - 1] if first_block else b"", first_key=keys[0]), keys[0])
+        # the next lookup of this prompt will hit: its restore finds the connections open
+        self._warm(a for b in alloc.blocks for c in b.chunks for a in c.data_addresses)
         limit = asyncio.Semaphore(self.write_concurrency)
         commit = meta_pb2.CommitBlocksRequest(namespace=_ns(namespace), allocation_id=alloc.allocation_id,
                                               ttl_class=ttl_class)

@@ -19,7 +19,7 @@ from kvfs.proto import meta_pb2
 from test_metrics import scrape
 
 from helpers import (data_connection, flip_bytes, local_read_grant, recv_exactly, restore_all, thread_nices, tokens_for,
-                     wait_until)
+                     until, wait_until)
 
 NS = Namespace("acme", "deepseek-v3")
 MLA = BlockLayout.mla()
@@ -212,6 +212,35 @@ async def test_shm_reads_straight_into_buffer_pool_memory(local_cluster, mode):
         again = pool.get(MLA.buffer_bytes(match.tokens))
         stats = await client.read(await client.lookup(NS, tokens), again).wait()
         assert bytes(again.numpy()) == payload and stats.retries > 0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_a_write_back_opens_the_restores_connections_before_the_hit(local_cluster, transport):
+    from kvfs.client import BufferPool
+
+    pool = BufferPool(arena_bytes=64 * MiB)  # shared memory warms only once there is an arena to register
+    cluster = local_cluster()
+    tokens = tokens_for(6, seed=11)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport=transport, warm_reads=False) as cold:
+        await cold.write(NS, tokens_for(6, seed=12), payload, MLA)
+        assert not cold._transports[transport]._conns  # off: nothing opened for reads
+    async with Client(cluster.meta_address, transport=transport) as client:
+        reads = client._transports[transport]
+        await client.write(NS, tokens, payload, MLA)
+        conns = await until(lambda: not reads._warming and reads._conns and
+                            {a: list(c) for a, c in reads._conns.items()}, what="the warmed connections")
+        assert all(len(c) == reads.connections for c in conns.values())
+        assert reads.warmed == sum(map(len, conns.values()))
+        match = await client.lookup(NS, tokens)
+        buf = pool.get(MLA.buffer_bytes(match.tokens))
+        stats = await client.read(match, buf).wait()
+        assert bytes(buf.numpy()) == payload and stats.retries == 0
+        assert {s.data_address for s in match.servers} <= set(conns)
+        # the restore used the connections the write-back opened; none was opened for it
+        assert {a: list(c) for a, c in reads._conns.items()} == conns
+        if transport == "shm":  # they registered the arena: read straight into the pool's buffer
+            assert reads.ranges["staged"] == 0 and reads.ranges["zero_copy"] > 0
 
 
 async def test_a_server_that_refuses_our_buffer_is_read_without_shared_memory(local_cluster, monkeypatch, caplog):
