@@ -857,6 +857,38 @@ class BlockTable:
         n, chunks, _ = self._evict(index, nbytes, pinned, limit, tenant, deadline)
         return n, chunks
 
+    def prefetch_victims(self, n: int) -> int:
+        """Reads, off the event loop (db.OffLoop), what the next eviction slice will
+        read: the rows of the next `n` entries of each segment of the eviction index,
+        their row groups, and the child index entries of every row in those groups (a
+        slice walks back through a prompt's consecutive slots and asks of each parent
+        whether it has children left). Multi-gets, which let go of the GIL while a page
+        comes from the disk; the slice then finds them in RocksDB's block cache instead
+        of waiting on the disk with the loop's thread, in single reads that hold the
+        GIL (at 10M blocks the database is nine times the cache, and a kernel that
+        pages out what went untouched for a minute leaves old victims' pages on the
+        disk). Keeps nothing; returns the keys read."""
+        arc = self.ranks.arc  # the index in two segments, the recent one first: n of each
+        fulls = [k[-FULL:] for k, _ in self.db.scan(VICTIM, start=self.victim_floor,
+                                                    stop=FREQUENT_VICTIMS if arc else None, limit=n)]
+        if arc:
+            fulls += [k[-FULL:] for k, _ in self.db.scan(FREQUENT_VICTIMS, start=self.index_floors[FREQUENT_VICTIMS],
+                                                         limit=n)]
+        if not fulls:
+            return 0
+        slots = self.db.db.get([BLOCK + f for f in fulls])
+        names = {group_key(f[:KEY_BYTES], read_u64(s) // GROUP_SLOTS): f[:KEY_BYTES]
+                 for f, s in zip(fulls, slots) if s is not None}
+        children = []
+        for value, ns in zip(self.db.db.get(list(names)), names.values()):
+            for offset in groups.occupied(value) if value is not None else ():
+                raw = groups.row_at(value, offset)
+                if (parent := row_parent(raw)):
+                    children.append(CHILD + ns + parent + raw[:KEY_BYTES])  # child_key(its parent, it)
+        if children:
+            self.db.db.get(children)
+        return len(fulls) + len(names) + len(children)
+
     def _frequent_first(self) -> bool:
         """Whether arc's frequent segment gives up the next victims: the recent one is
         within its share and the frequent one's oldest leaf is older than its own

@@ -272,6 +272,7 @@ class MetaState:
             if evicted:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
+            yield OffLoop(self.blocks.prefetch_victims, (step,))  # from the disk off the loop, if it must be
             was = self.blocks.cache_bytes
             n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + self.slice_seconds())
             freed += was - self.blocks.cache_bytes

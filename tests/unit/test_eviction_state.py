@@ -512,3 +512,53 @@ def test_arc_splits_the_cache_between_a_recent_and_a_frequent_segment_and_learns
     state = make_state(clock, "arc", register=False)
     assert (state.blocks.ranks.target, state.blocks.ranks.recent) == (target, recent)  # persisted
     assert_consistent(state)
+
+
+class RecordedReads:
+    """The database as MetaState reads it (its Rdict), noting every key read by a
+    get or multi-get and every iterator seek."""
+
+    def __init__(self, db):
+        self._db, self.gets, self.seeks = db, set(), []
+
+    def get(self, key, *args, **kw):
+        self.gets.update(key if isinstance(key, list) else [key])
+        return self._db.get(key, *args, **kw)
+
+    def iter(self, *args):
+        it, seeks = self._db.iter(*args), self.seeks
+
+        class Seeking:
+            def __getattr__(self, name):
+                return getattr(it, name)
+
+            def seek(self, key):
+                seeks.append(key)
+                it.seek(key)
+
+        return Seeking()
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_prefetch_before_an_eviction_slice_reads_the_rows_and_children_the_slice_then_reads(make_state, policy):
+    clock = Clock()
+    state = make_state(clock, policy)
+    for i in range(10):  # the last write passes the high watermark: the background pass has blocks to evict
+        clock.now = 1000 + i
+        write(state, conversation(i))
+    reads = state.db.db = RecordedReads(state.db.db)
+    assert state.blocks.prefetch_victims(16) > 0
+    prefetched = set(reads.gets)
+    reads.gets.clear()
+    reads.seeks.clear()
+    assert state.evict_slice(limit=16) == 2
+    # every row, row group and slot the slice read, it read from what the prefetch had read...
+    rows_read = {k for k in reads.gets if k[:1] in (records.BLOCK, records.ROW)}
+    assert rows_read and rows_read <= prefetched
+    # ...and every parent it asked for children had a child entry prefetched, on the page its seek lands on
+    children_asked = [k for k in reads.seeks if k[:1] == records.CHILD]
+    assert children_asked and all(any(p.startswith(k) for p in prefetched) for k in children_asked)
+    assert_consistent(state)
