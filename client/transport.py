@@ -635,6 +635,7 @@ class TcpTransport:
                 self._regions.pop(id(dead), None)
                 dead.close()
             if len(conns) < self.connections:
+                self._close_dead(address)
                 try:
                     conn = await asyncio.get_running_loop().run_in_executor(None, self._open, address,
                                                                             current_arena())
@@ -649,6 +650,25 @@ class TcpTransport:
                             queue.put_nowait(r)
                         self._regions[id(conn)] = queue
             return min(conns, key=lambda c: c.load)
+
+    def _close_dead(self, opening: str) -> None:
+        """Closes the dead connections to addresses other than `opening`, and forgets
+        an address once none is left. A restarted server comes back on a new data
+        port, so its old address is never asked for again: without this, every
+        restart of every server would leave each client its dead sockets (the soak
+        test's process held 84 more descriptors after 60 s of kills). Runs only
+        while a connection is opened, never on a read that finds one open."""
+        for address, conns in list(self._conns.items()):
+            if address == opening:
+                continue
+            for c in [c for c in conns if c.dead is not None]:
+                conns.remove(c)
+                self._regions.pop(id(c), None)
+                c.close()
+            lock = self._opening.get(address)
+            if not conns and address not in self._warming and (lock is None or not lock.locked()):
+                del self._conns[address]
+                self._opening.pop(address, None)
 
     def warm(self, address: str) -> None:
         """Opens this transport's connections to the data port at `address` in the

@@ -176,6 +176,39 @@ async def test_dead_data_port_is_retried_on_other_replicas(local_cluster):
         assert cluster.chunkservers[2].address not in stats.per_server
 
 
+async def test_a_restarted_servers_old_data_connections_are_closed(local_cluster):
+    """A restarted chunkserver comes back on a new data port: the client's dead
+    connections to its old one, for reads and for writes, are closed and forgotten
+    once it opens the new ones, not kept for the client's lifetime."""
+    def fd(conn) -> int:  # -1 once closed (a TLS connection wraps the socket)
+        return getattr(conn.sock, "sock", conn.sock).fileno()
+
+    cluster = local_cluster()
+    payload = os.urandom(MLA.buffer_bytes(len(tokens_for(6, seed=4))))
+    async with Client(cluster.meta_address, transport="tcp") as client:
+        reads, writes = client._transports["tcp"], client._writer
+        await client.write(NS, tokens_for(6, seed=4), payload, MLA)
+        await restore(client, tokens_for(6, seed=4))
+        cs = cluster.chunkservers[2]
+        old = (await client.lookup(NS, tokens_for(6, seed=4))).servers
+        old_address = next(s.data_address for s in old if s.address == cs.address)
+        held = [c for t in (reads, writes) for c in t._conns.get(old_address, [])]
+        assert held and all(fd(c) >= 0 for c in held)
+        cs.kill()
+        cluster.start_chunkserver(2)
+        await until(lambda: all(c.dead is not None for c in held), what="the old connections seen dead")
+        for seed in range(20, 26):  # writes placed on every server, the restarted one among them
+            await client.write(NS, tokens_for(6, seed=seed), payload, MLA)
+            out, _, _ = await restore(client, tokens_for(6, seed=seed))
+            assert bytes(out) == payload
+        new_address = next(s.data_address for s in (await client.lookup(NS, tokens_for(6, seed=25))).servers
+                           if s.address == cs.address)
+        assert new_address != old_address
+        assert new_address in reads._conns and new_address in writes._conns
+        assert old_address not in reads._conns and old_address not in writes._conns
+        assert all(fd(c) == -1 for c in held)  # closed, not merely forgotten
+
+
 def test_same_host_detection():
     assert is_local("127.0.0.1:7000") and is_local("localhost:1") and is_local("[::1]:5")
     assert not is_local("192.0.2.1:7000")  # TEST-NET-1: never this host

@@ -60,11 +60,22 @@ def prompt_for(rng: random.Random) -> tuple[int, ...]:
     return tuple(prefix + tokens_for(rng.choice([0, 1, 2, 3]), seed=rng.randrange(100)))
 
 
-def figures(pid: int) -> dict[str, int]:
-    """Open file descriptors, resident memory (bytes) and OS threads of a process."""
+def fd_kinds(pid: int) -> Counter:
+    """A process's open file descriptors by kind (socket, pipe, anon_inode, /memfd) or a file's folder."""
+    kinds: Counter = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            kinds[target.split(":")[0] if ":" in target else os.path.dirname(target)] += 1
+    return kinds
+
+
+def figures(pid: int) -> dict:
+    """Open file descriptors (and their kinds), resident memory (bytes) and OS threads of a process."""
     lines = pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
     status = dict(line.split(":", 1) for line in lines if ":" in line)
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss": int(status["VmRSS"].split()[0]) * 1024,
+    kinds = fd_kinds(pid)
+    return {"fds": sum(kinds.values()), "fd_kinds": kinds, "rss": int(status["VmRSS"].split()[0]) * 1024,
             "threads": int(status["Threads"])}
 
 
@@ -95,7 +106,8 @@ def check_bounded(before: dict, after: dict) -> list[str]:
     for name, a in after.items():
         b = before[name]
         if a["fds"] > b["fds"] + FD_MARGIN:
-            problems.append(f"{name}: open files {b['fds']} -> {a['fds']}")
+            grew = dict(a["fd_kinds"] - b["fd_kinds"])
+            problems.append(f"{name}: open files {b['fds']} -> {a['fds']} (more of: {grew})")
         if a["threads"] > b["threads"] + THREAD_MARGIN:
             problems.append(f"{name}: threads {b['threads']} -> {a['threads']}")
         if a["rss"] > 2 * b["rss"] + RSS_MARGIN:
