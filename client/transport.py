@@ -643,6 +643,8 @@ class TcpTransport:
                     if not conns:
                         raise Unavailable(f"cannot open a data connection to {address}: {err}") from None
                 else:
+                    # abort() may have dropped the list while this one connected: not into a list no one holds
+                    conns = self._conns.setdefault(address, conns)
                     conns.append(conn)
                     if self.shm_regions:
                         queue: asyncio.Queue = asyncio.Queue()
@@ -712,7 +714,9 @@ class TcpTransport:
         self._conns.clear()
 
     def abort(self, server) -> None:
-        conns = self._conns.pop(server.data_address, [])
+        dropped = self._conns.pop(server.data_address, [])
+        conns = list(dropped)
+        dropped.clear()  # an opener still holding the list puts its connection back in the pool, not here
         for c in conns:
             self._regions.pop(id(c), None)
             # closing joins the receive thread: not on the event loop
