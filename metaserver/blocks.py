@@ -857,48 +857,6 @@ class BlockTable:
         n, chunks, _ = self._evict(index, nbytes, pinned, limit, tenant, deadline)
         return n, chunks
 
-    def prefetch_victims(self, n: int) -> int:
-        """Reads, off the event loop (db.OffLoop), what the next eviction slice of `n`
-        blocks will read: the next entries of the eviction index (each segment's, under
-        arc), their slots and row groups, and the child index entries of the rows a
-        slice walking back from each of them through its prompt's consecutive slots
-        asks about (whether a parent has children left), until `n` blocks of each
-        segment are covered. Multi-gets, which let go of the GIL while a page comes
-        from the disk; the slice then finds them in RocksDB's block cache instead of
-        waiting on the disk with the loop's thread, in single reads that hold the GIL
-        (at 10M blocks the database is nine times the cache, and a kernel that pages
-        out what went untouched for a minute leaves old victims' pages on the disk).
-        Bounded by `n`: reading the children of every row of each named group made the
-        background pass five times slower at 10M. Keeps nothing; returns the keys read."""
-        read = 0
-        segments = [(VICTIM, self.victim_floor, FREQUENT_VICTIMS if self.ranks.arc else None)]
-        if self.ranks.arc:
-            segments.append((FREQUENT_VICTIMS, self.index_floors[FREQUENT_VICTIMS], None))
-        for index, floor, stop in segments:
-            fulls = [k[-FULL:] for k, _ in self.db.scan(index, start=floor, stop=stop, limit=max(1, n // 8))]
-            if not fulls:
-                continue
-            slots = [read_u64(s) if s is not None else None for s in self.db.db.get([BLOCK + f for f in fulls])]
-            names = list({group_key(f[:KEY_BYTES], s // GROUP_SLOTS) for f, s in zip(fulls, slots) if s is not None})
-            values = dict(zip(names, self.db.db.get(names) if names else []))
-            children: list[bytes] = []
-            for full, slot in zip(fulls, slots):
-                value = values.get(group_key(full[:KEY_BYTES], slot // GROUP_SLOTS)) if slot is not None else None
-                offset = slot % GROUP_SLOTS if value is not None else -1
-                while offset >= 0 and len(children) < n:  # back through the run the victim ends
-                    raw = groups.row_at(value, offset)
-                    parent = row_parent(raw) if raw is not None else b""
-                    if not parent:
-                        break
-                    children.append(CHILD + full[:KEY_BYTES] + parent + raw[:KEY_BYTES])  # child_key(its parent, it)
-                    offset -= 1
-                if len(children) >= n:
-                    break
-            if children:
-                self.db.db.get(children)
-            read += 2 * len(fulls) + len(names) + len(children)
-        return read
-
     def _frequent_first(self) -> bool:
         """Whether arc's frequent segment gives up the next victims: the recent one is
         within its share and the frequent one's oldest leaf is older than its own

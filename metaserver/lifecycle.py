@@ -28,7 +28,6 @@ from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
 from . import records
-from .db import OffLoop
 from .state import MetaState
 
 log = logging.getLogger(__name__)
@@ -102,18 +101,13 @@ class Lifecycle:
                     if time.perf_counter() > deadline:
                         break
 
-    async def drain(self, step, *args, most: int | None = None, room: bool = False, prefetch=None) -> int:
+    async def drain(self, step, *args, most: int | None = None, room: bool = False) -> int:
         """Runs `step(*args)` (returning work done) a turn at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
         hits, must not keep a pass from the rest of its round), or, with `room`, until
-        the delete queue is full (removals wait for the delete pass). `prefetch()`, if
-        given, is asked before each turn for a read to make first on the database's
-        reader thread (a db.OffLoop, or None)."""
+        the delete queue is full (removals wait for the delete pass)."""
         total = 0
-        loop = asyncio.get_running_loop()
         while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
-            if prefetch is not None and (read := prefetch()) is not None:
-                await loop.run_in_executor(self.state.db.reader, read.fn, *read.args)
             async with self.turn():
                 n = step(*args)
             if not n:
@@ -124,12 +118,6 @@ class Lifecycle:
     def _evict_slice(self) -> int:
         """One slice of background eviction, bounded by time too."""
         return self.state.evict_slice(4 * SLICE, self.state.slice_seconds())
-
-    def _prefetch_victims(self) -> OffLoop | None:
-        """What the next eviction slice reads, from the disk off the loop, if it will evict."""
-        if self.state.evicting or self.state.over_high():
-            return OffLoop(self.state.blocks.prefetch_victims, (4 * SLICE,))
-        return None
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -260,7 +248,7 @@ class Lifecycle:
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            await self.drain(self._evict_slice, room=True, prefetch=self._prefetch_victims)
+            await self.drain(self._evict_slice, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
@@ -291,7 +279,7 @@ class Lifecycle:
                 self.state.flush_usage()
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = await self.drain(self._evict_slice, room=True, prefetch=self._prefetch_victims)
+                evicted = await self.drain(self._evict_slice, room=True)
                 # a full delete queue stops eviction until a delete pass empties it: that pass now,
                 # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
                 if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():

@@ -269,10 +269,9 @@ class MetaState:
         capacity, before = self.capacity_bytes(), self.blocks.cache_bytes
         evicted = freed = 0
         while evicted < limit and freed < incoming:
+            if evicted:
+                yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
-            # what the slice will read, from the disk off the loop if it must be; other writers
-            # commit meanwhile: what this write freed is counted per slice
-            yield OffLoop(self.blocks.prefetch_victims, (step,))
             was = self.blocks.cache_bytes
             n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + self.slice_seconds())
             freed += was - self.blocks.cache_bytes
