@@ -630,10 +630,7 @@ class TcpTransport:
     async def _connection(self, address: str) -> _Connection:
         async with self._opening.setdefault(address, asyncio.Lock()):
             conns = self._conns.setdefault(address, [])
-            for dead in [c for c in conns if c.dead is not None]:
-                conns.remove(dead)
-                self._regions.pop(id(dead), None)
-                dead.close()
+            self._drop_dead(conns)
             if len(conns) < self.connections:
                 self._close_dead(address)
                 try:
@@ -653,6 +650,13 @@ class TcpTransport:
                         self._regions[id(conn)] = queue
             return min(conns, key=lambda c: c.load)
 
+    def _drop_dead(self, conns: list[_Connection]) -> None:
+        """Takes the dead connections out of `conns` and closes them."""
+        for c in [c for c in conns if c.dead is not None]:
+            conns.remove(c)
+            self._regions.pop(id(c), None)
+            c.close()
+
     def _close_dead(self, opening: str) -> None:
         """Closes the dead connections to addresses other than `opening`, and forgets
         an address once none is left. A restarted server comes back on a new data
@@ -663,10 +667,7 @@ class TcpTransport:
         for address, conns in list(self._conns.items()):
             if address == opening:
                 continue
-            for c in [c for c in conns if c.dead is not None]:
-                conns.remove(c)
-                self._regions.pop(id(c), None)
-                c.close()
+            self._drop_dead(conns)
             lock = self._opening.get(address)
             if not conns and address not in self._warming and (lock is None or not lock.locked()):
                 del self._conns[address]

@@ -184,13 +184,14 @@ async def test_a_restarted_servers_old_data_connections_are_closed(local_cluster
         return getattr(conn.sock, "sock", conn.sock).fileno()
 
     cluster = local_cluster()
-    payload = os.urandom(MLA.buffer_bytes(len(tokens_for(6, seed=4))))
+    tokens = tokens_for(6, seed=4)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
     async with Client(cluster.meta_address, transport="tcp") as client:
         reads, writes = client._transports["tcp"], client._writer
-        await client.write(NS, tokens_for(6, seed=4), payload, MLA)
-        await restore(client, tokens_for(6, seed=4))
+        await client.write(NS, tokens, payload, MLA)
+        await restore(client, tokens)
         cs = cluster.chunkservers[2]
-        old = (await client.lookup(NS, tokens_for(6, seed=4))).servers
+        old = (await client.lookup(NS, tokens)).servers
         old_address = next(s.data_address for s in old if s.address == cs.address)
         held = [c for t in (reads, writes) for c in t._conns.get(old_address, [])]
         assert held and all(fd(c) >= 0 for c in held)
