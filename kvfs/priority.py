@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_NICE = 19
 WRITE_NICE = 10  # the default for write threads, the SDK's and the chunkservers'
+COMPACTION_NICE = 10  # the default for the metaserver's RocksDB compaction threads
 _refused_logged = False
 
 
@@ -54,6 +55,35 @@ def lower_thread_priority(by: int) -> bool:
     except OSError as err:
         return _refused(f"setpriority refused ({err.strerror})")
     return True
+
+
+def lower_threads_named(prefix: str, by: int) -> int:
+    """Sets every thread of this process whose name (its /proc comm, as a native
+    library names its own threads: RocksDB's compaction pool is "rocksdb:low")
+    begins with `prefix` to the process's niceness plus `by` (capped at 19); returns
+    how many now run there. Idempotent: a thread already that nice is counted, not
+    lowered again. `by` <= 0 changes nothing."""
+    if by <= 0:
+        return 0
+    if not sys.platform.startswith("linux"):
+        _refused(f"per-thread niceness is Linux's ({sys.platform} here)")
+        return 0
+    target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, os.getpid()) + by)
+    lowered = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith(prefix):
+                    continue
+            if thread_nice(int(tid)) < target:
+                os.setpriority(os.PRIO_PROCESS, int(tid), target)
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        except OSError as err:
+            _refused(f"setpriority refused ({err.strerror})")
+            continue
+        lowered += 1
+    return lowered
 
 
 def _refused(why: str) -> bool:

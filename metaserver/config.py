@@ -7,6 +7,7 @@ import dataclasses
 from kvfs.config import (KiB, MiB, check_choices, check_listen, duration_field, option, parse_duration, parse_size,
                          size_field)
 from kvfs.logs import log_format_option
+from kvfs.priority import COMPACTION_NICE
 from kvfs.shards import Owner
 
 from .eviction import DEFAULT_POLICY, POLICIES
@@ -75,6 +76,8 @@ class MetaserverConfig:
     repair_rate: int = size_field(256 * MiB, "re-replication copies at most this many bytes per second")
     cache_size: int = size_field(256 * MiB, "RocksDB block cache: metadata kept in memory beyond the OS page "
                                  "cache (the metaserver holds nothing per block besides)")
+    compaction_nice: int = option(COMPACTION_NICE, "lookups first on the CPU: RocksDB's compaction threads run "
+                                  "this much nicer than the server (Linux; 0-19, 0: the same priority)")
     max_keys: int = option(100_000, "most keys in one MatchPrefix or AllocateBlocks")
     read_grant_ttl: float = duration_field(300.0, "how long the read grant a lookup returns stays good: a "
                                            "restore must start within it (chunkservers need clocks within "
@@ -148,6 +151,8 @@ class MetaserverConfig:
                              f"{', '.join(classes)}")
         if self.replicas < 1:
             raise ValueError("replicas must be at least 1")
+        if not 0 <= self.compaction_nice <= 19:
+            raise ValueError(f"compaction_nice must be 0..19, got {self.compaction_nice}")
         if not 64 * KiB <= self.chunk_size <= 64 * MiB:
             raise ValueError("chunk_size must be between 64KiB and 64MiB")
         if self.etcd:

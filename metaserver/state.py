@@ -117,7 +117,7 @@ class MetaState:
         self.cfg = cfg
         self.key = key  # the cluster key (kvfs.tls): None on an --insecure metaserver, which seals nothing
         self.clock = clock
-        self.db = MetaDB(cfg.data_dir, cfg.cache_size)
+        self.db = MetaDB(cfg.data_dir, cfg.cache_size, cfg.compaction_nice)
         self.members = Membership(cfg, self.db, clock)
         self.blocks = BlockTable(cfg, self.db, self.members, clock)
         self.allocations = Allocations(cfg, self.db, self.members, self.blocks, clock, key)

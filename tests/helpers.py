@@ -291,6 +291,18 @@ def thread_nices(pid: int) -> dict[int, int]:
     return out
 
 
+def thread_names(pid: int) -> dict[int, str]:
+    """A process's threads' names, by thread id (/proc/<pid>/task/*/comm)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                out[int(tid)] = fh.read().strip()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return out
+
+
 def fd_count(pid: int) -> int:
     """A process's open file descriptors (/proc/<pid>/fd)."""
     return len(os.listdir(f"/proc/{pid}/fd"))

@@ -14,7 +14,7 @@ from kvfs.keys import Namespace, block_keys
 from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2, meta_pb2_grpc
 
-from helpers import credentials, layer_major, restore_all, tokens_for, wait_until
+from helpers import credentials, layer_major, restore_all, thread_names, thread_nices, tokens_for, wait_until
 
 NS = Namespace("acme", "deepseek-v2-lite")
 MLA = BlockLayout.mla()  # 1.9 MB blocks, two chunks each
@@ -113,6 +113,24 @@ async def test_metaserver_crash_and_restart_keeps_committed_blocks(local_cluster
         assert match.matched == 5
         out, _, _ = await restore_all(client, match, SMALL)
         assert bytes(out) == bytes(payload)
+
+
+async def test_metaserver_compactions_run_nicer_than_its_event_loop(local_cluster):
+    cluster = local_cluster(meta_extra=["--compaction-nice", "7"])
+    pid = cluster.meta.pid
+    nices, names = thread_nices(pid), thread_names(pid)
+    base = nices[pid]  # its main thread: the event loop's
+    compaction = {tid for tid, name in names.items() if name.startswith("rocksdb:low")}
+    assert compaction and {nices[tid] for tid in compaction} == {min(19, base + 7)}
+    flushes = [tid for tid, name in names.items() if name.startswith("rocksdb:high")]
+    assert flushes and all(nices[tid] == base for tid in flushes)
+    assert sum(n == base for n in nices.values()) == len(nices) - len(compaction)  # only they are nicer
+    tokens = tokens_for(3, seed=8)
+    payload = os.urandom(SMALL.buffer_bytes(3 * 64))
+    async with Client(cluster.meta_address) as client:
+        await client.write(NS, tokens, payload, SMALL)
+        out, _, _ = await restore_all(client, await client.lookup(NS, tokens), SMALL)
+    assert bytes(out) == bytes(payload)
 
 
 async def test_restore_succeeds_from_replicas_with_a_chunkserver_killed(local_cluster):

@@ -1,10 +1,12 @@
-"""Reads first on the CPU (kvfs.priority): write threads run nicer, only they."""
+"""Reads first on the CPU (kvfs.priority): write threads, and the metaserver's compaction
+threads, run nicer, only they."""
 
 import os
 import threading
 
+from helpers import thread_names
 from kvfs.checksum import chunk_checksum
-from kvfs.priority import MAX_NICE, lower_thread_priority, thread_nice
+from kvfs.priority import MAX_NICE, lower_thread_priority, lower_threads_named, thread_nice
 
 MiB = 1 << 20
 
@@ -35,6 +37,31 @@ def test_caps_at_19_and_zero_changes_nothing():
     base = thread_nice()
     assert in_thread(lambda: lower_thread_priority(100)) == (True, MAX_NICE)
     assert in_thread(lambda: lower_thread_priority(0)) == (False, base)
+
+
+def test_rocksdb_compaction_threads_are_lowered_by_name_and_only_they(tmp_path):
+    from rocksdict import Options, Rdict
+
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))  # starts RocksDB's flush and compaction pools
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        before = {tid: thread_nice(tid) for tid in thread_names(os.getpid())}
+        n = lower_threads_named("rocksdb:low", 5)
+        names = thread_names(os.getpid())
+        low = [tid for tid, name in names.items() if name.startswith("rocksdb:low")]
+        # an in-process metaserver (another test's) may have lowered them further already
+        want = {tid: max(before.get(tid, base), min(MAX_NICE, base + 5)) for tid in low}
+        assert n == len(low) >= 1
+        assert {tid: thread_nice(tid) for tid in low} == want
+        others = [tid for tid in names if tid not in low and tid in before]
+        assert any(names[tid].startswith("rocksdb:high") for tid in others)
+        assert all(thread_nice(tid) == before[tid] for tid in others)  # flushes and Python's threads keep theirs
+        assert lower_threads_named("rocksdb:low", 5) == n  # again: counted, not lowered further
+        assert {tid: thread_nice(tid) for tid in low} == want
+        assert lower_threads_named("rocksdb:low", 0) == 0
+        assert lower_threads_named("no such thread", 5) == 0
+    finally:
+        db.close()
 
 
 async def test_store_checksums_and_disk_writes_run_at_write_nice(make_store):
