@@ -1,4 +1,5 @@
 import collections
+import random
 
 import pytest
 
@@ -76,3 +77,21 @@ def test_full_cluster_and_no_chains_are_unavailable():
             placer.place_block([MiB])
     with pytest.raises(Unavailable, match="failure domains"):
         Placer([], {})
+
+
+def test_each_block_goes_to_the_chains_with_the_most_room_among_many():
+    # 40 servers in 10 domains, uneven free space: every block's chunks go to the chains whose
+    # fullest server has the most room left as the block is placed (a chain is re-filed only
+    # when a chunk lands on one of its servers, so each pick is checked against all chains)
+    rng = random.Random(7)
+    servers = members(40, 10)
+    chains = build_chains(servers, 2)
+    free = {s.id: rng.randrange(1000, 1100) * MiB for s in servers}  # close: each block reorders them
+    placer = Placer(chains, free)
+    for _ in range(1000):
+        room = sorted((min(placer.free[s] for s in c) for c in chains), reverse=True)
+        placed = placer.place_block([MiB, MiB // 2])
+        assert len(set(placed)) == 2
+        got = sorted((min(placer.free[s] + MiB * (s in placed[0]) + MiB // 2 * (s in placed[1]) for s in c)
+                      for c in placed), reverse=True)
+        assert got == room[:2]
