@@ -62,10 +62,15 @@ def test_prefix_bench_report_shape(tmp_path):
 
 
 def test_ttft_bench_report_shape(tmp_path):
-    report, stdout = run(["ttft", "--preset", "tiny", "--tokens", "200,300", "--chunkservers", "2"], tmp_path)
+    report, stdout = run(["ttft", "--preset", "tiny", "--tokens", "200,300", "--chunkservers", "2", "--rounds", "3"],
+                         tmp_path)
     rows = report["results"]["rows"]
-    assert [r["tokens"] for r in rows] == [200, 300]
+    assert [r["tokens"] for r in rows] == [200, 300] and report["config"]["rounds"] == 3
     for r in rows:
+        assert len(r["restore_gbps_all"]) == len(r["sdk_restore_gbps_all"]) == 3
+        assert r["restore_gbps"] == sorted(r["restore_gbps_all"])[1]
+        assert r["sdk_restore_gbps"] == sorted(r["sdk_restore_gbps_all"])[1]
+        assert r["restore_gbps"] == r["bytes_restored"] / r["restore_s"] / 1e9  # the median hit is the one reported
         assert r["ttft_recompute_s"] > 0 and r["ttft_restore_s"] > 0
         assert abs(r["speedup"] - r["ttft_recompute_s"] / r["ttft_restore_s"]) < 1e-9
         assert r["bytes_restored"] == (r["tokens"] // 64) * 64 * 2 * 48 * 2  # blocks x tokens x layers x kv_dim x bf16
