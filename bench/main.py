@@ -201,7 +201,7 @@ def _mixed(args) -> int:
               "restorers": args.restorers, "seconds": args.seconds, "transport": args.transport,
               "chunkservers": args.chunkservers, "io_mode": args.io_mode,
               "write_yields": args.write_yield.split(","),
-              "write_nices": [int(x) for x in args.write_nice.split(",")]}
+              "write_nices": [int(x) for x in args.write_nice.split(",")], "disk_probe": args.disk_probe}
     report = run_mixed(**config)
     _write_json(args.json, {"bench": "mixed", **_host(), "config": config, "results": report})
     return 0
@@ -726,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     mixed.add_argument("--write-nice", default="0,10",
                        help="write_nice settings to compare (the chunkservers' and the writer's SDK's), one run "
                             "each with every write_yield (0: write threads at the servers' priority)")
+    mixed.add_argument("--no-disk-probe", dest="disk_probe", action="store_false",
+                       help="skip timing the restores beside the disk's own work (raw writes at the write-backs' "
+                            "disk rate, then flushes), with no kvfs writes")
     shards = sub.add_parser("shards", help="how evenly hash slots spread a trace's prefixes over N metaservers "
                                            "(blocks and lookups per metaserver; no cluster)")
     shards.add_argument("path", nargs="+", help="a Mooncake-format trace, or gen:SHAPE[:REQUESTS[:SEED]]")

@@ -274,6 +274,18 @@ def test_mixed_bench_times_restores_alone_and_under_write_backs(tmp_path):
         assert abs(r["p99_ratio"] - r["with_writes"]["p99_ms"] / r["alone"]["p99_ms"]) < 1e-9
         assert r["write_gbps"] > 0 and r["write_failures"] == 0
         assert abs(r["write_over_raw"] - r["write_disk_gbps"] / r["raw_write_gbps"]) < 1e-9
+        alone, mixed = r["cpu_alone"], r["cpu_with_writes"]
+        assert set(alone["roles"]) == {"restorers", "chunkservers", "metaserver"}
+        assert set(mixed["roles"]) == set(alone["roles"]) | {"writer"}
+        for cpu in (alone, mixed):  # the processes' counters, read by role: restores and serving took CPU
+            assert 0 < cpu["host_busy_cpus"] <= cpu["cpus"] + 0.01
+            assert cpu["roles"]["restorers"] > 0 and cpu["roles"]["chunkservers"] > 0
+        assert mixed["roles"]["writer"] > 0  # it wrote: write_gbps > 0
+        probe = r["disk_probe"]  # restores beside the disk's own writes and flushes, no kvfs writes
+        assert probe["raw_writes"]["count"] >= 1 and probe["raw_writes"]["gbps"] > 0
+        assert probe["flushes"]["count"] >= 1 and probe["flushes"]["per_s"] > 0
+        for p in probe.values():
+            assert abs(p["p99_ratio"] - p["p99_ms"] / r["alone"]["p99_ms"]) < 1e-9
     assert rows[0]["writes_deferred"] == rows[1]["writes_deferred"] == 0  # writes never wait with write_yield 0
     assert "write-backs failed: 0, 0, 0, 0" in stdout
 
