@@ -673,17 +673,22 @@ class TcpTransport:
                 del self._conns[address]
                 self._opening.pop(address, None)
 
-    def warm(self, address: str) -> None:
+    def warm(self, address: str) -> asyncio.Task | None:
         """Opens this transport's connections to the data port at `address` in the
         background, where it has fewer open: a restore that comes later finds them
         ready instead of opening them one by one, each a connect and for shared
         memory two registrations (an engine's first 2K-token hit restored at 0.58 GB/s,
-        its next ones at 0.73). A failure is left to the restore that needs the server."""
-        if address in self._warming or len(self._conns.get(address, ())) >= self.connections:
-            return
+        its next ones at 0.73). A failure is left to the restore that needs the server.
+        Returns the task opening them (the one already running, if any); None where
+        all are open."""
+        if address in self._warming:
+            return self._warming[address]
+        if len(self._conns.get(address, ())) >= self.connections:
+            return None
         task = asyncio.get_running_loop().create_task(self._warm(address))
         self._warming[address] = task
         task.add_done_callback(lambda _: self._warming.pop(address, None))
+        return task
 
     async def _warm(self, address: str) -> None:
         before = len(self._conns.get(address, ()))
@@ -733,12 +738,11 @@ class ShmTransport(TcpTransport):
     name = "shm"
     shm_regions = SHM_REGIONS
 
-    def warm(self, address: str) -> None:
+    def warm(self, address: str) -> asyncio.Task | None:
         """TcpTransport.warm, once the process has a buffer arena: a connection
         registers the arena there is when it opens, and one opened before would copy
         every restore into pool buffers through its staging region."""
-        if current_arena() is not None:
-            super().warm(address)
+        return super().warm(address) if current_arena() is not None else None
 
     @property
     def ranges(self) -> dict[str, int]:

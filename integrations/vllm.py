@@ -127,7 +127,9 @@ class KvfsConnector(KVConnectorBase_V1):
     `tenant` ("default"), `ttl_class` ("chat"), `model` (namespace model name;
     default vLLM's model), `block_tokens` (kvfs block size, 64), and the worker
     certificate: `tls_ca`, `tls_cert`, `tls_key` (PEM files; default: the SDK's
-    KVFS_CLIENT_TLS_* variables) or `insecure` (a cluster started with --insecure)."""
+    KVFS_CLIENT_TLS_* variables) or `insecure` (a cluster started with --insecure);
+    `staging_bytes` (the worker's restore buffers, 1 GiB) and `warm_bytes` (of them,
+    touched at start: default one longest prompt's; 0: none)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -185,12 +187,20 @@ class KvfsConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sync = SyncClient(self.meta_address, block_tokens=self.block_tokens, credentials=self.credentials,
                                     insecure=self.insecure)
+            # the first request's lookup then finds the channel and the tenant's key ready
+            self._warming = self._sync.warm_up([self.namespace.tenant], reads=False, wait=False)
+            self._warming.add_done_callback(self._warmed)
         else:
             self._loop = _Loop()
             # staging buffers: pinned with CUDA; without, in a shared arena chunkservers on this host write into
             self._pool = BufferPool(max_bytes=int(extra.get("staging_bytes", 1 << 30)),
                                     arena_bytes=int(extra.get("staging_bytes", 1 << 30)))
             self._client = self._loop.submit(self._make_client()).result()
+            # while vLLM starts: the first hit then finds its connections open (after the arena exists)
+            # and its staging pages touched (one longest prompt's worth, `warm_bytes` to change)
+            longest = self.layout.buffer_bytes(vllm_config.model_config.max_model_len)
+            self._warming = self._loop.submit(self._warm_up(int(extra.get("warm_bytes", longest))))
+            self._warming.add_done_callback(self._warmed)
             try:  # the MLA latent is replicated over TP ranks: only rank 0 writes it back
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -201,6 +211,18 @@ class KvfsConnector(KVConnectorBase_V1):
     async def _make_client(self) -> Client:
         return Client(self.meta_address, block_tokens=self.block_tokens, credentials=self.credentials,
                       insecure=self.insecure)
+
+    async def _warm_up(self, staging_bytes: int) -> int:
+        await asyncio.to_thread(self._pool.prefault, staging_bytes)
+        return await self._client.warm_up([self.namespace.tenant])
+
+    def _warmed(self, fut: concurrent.futures.Future) -> None:
+        err = fut.exception()
+        if err is not None:  # lookups and restores open what they need, or fail to the recompute path
+            log.warning("kvfs: warming connections to %s failed (the first request opens them): %s",
+                        self.meta_address, err)
+        elif self._client is not None:
+            log.info("kvfs: opened data connections to %d chunkservers ahead of the first restore", fut.result())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -242,7 +242,7 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,
                               live=st.is_live(s), capacity_bytes=s.record.capacity_bytes, used_bytes=s.used_bytes,
                               allocated_bytes=s.allocated_bytes, chunk_count=s.chunk_count,
-                              heartbeat_age_s=now - s.last_heartbeat)
+                              heartbeat_age_s=now - s.last_heartbeat, data_address=s.record.data_address)
         return reply
 
     @handles_errors

@@ -269,7 +269,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("id", "address", "failure_domain", "live", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "heartbeat_age_s")
+    __slots__ = ("id", "address", "failure_domain", "live", "capacity_bytes", "used_bytes", "allocated_bytes", "chunk_count", "heartbeat_age_s", "data_address")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class ServerStatus(_message.Message):
     ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     failure_domain: str
@@ -288,7 +289,8 @@ class ServerStatus(_message.Message):
     allocated_bytes: int
     chunk_count: int
     heartbeat_age_s: float
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    data_address: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s", "repair_backlog", "repair_copied_chunks", "repair_copied_bytes", "repair_failed_copies", "forgotten_blocks")

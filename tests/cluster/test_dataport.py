@@ -277,6 +277,35 @@ async def test_a_write_back_opens_the_restores_connections_before_the_hit(local_
             assert reads.ranges["staged"] == 0 and reads.ranges["zero_copy"] > 0
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+async def test_warm_up_opens_every_live_servers_connections_before_the_first_lookup(local_cluster, transport):
+    from kvfs.client import BufferPool
+
+    pool = BufferPool(arena_bytes=64 * MiB)
+    cluster = local_cluster()
+    tokens = tokens_for(6, seed=13)
+    payload = os.urandom(MLA.buffer_bytes(len(tokens)))
+    async with Client(cluster.meta_address, transport=transport, warm_reads=False) as writer:
+        await writer.write(NS, tokens, payload, MLA)
+        status = await writer.status()
+    data_ports = {s.data_address for s in status.servers if s.live}
+    assert len(data_ports) == len(status.servers) and all(data_ports)  # Status names each data port
+    async with Client(cluster.meta_address, transport=transport) as client:
+        reads = client._transports[transport]
+        assert not reads._conns and not client._tenant_keys
+        assert await client.warm_up([NS.tenant]) == len(data_ports)
+        assert NS.tenant in client._tenant_keys  # the first lookup asks for no key
+        conns = {a: list(c) for a, c in reads._conns.items()}
+        assert set(conns) == data_ports and all(len(c) == reads.connections for c in conns.values())
+        assert await client.warm_up() == 0  # all open already: nothing more
+        match = await client.lookup(NS, tokens)
+        buf = pool.get(MLA.buffer_bytes(match.tokens))
+        stats = await client.read(match, buf).wait()
+        assert bytes(buf.numpy()) == payload and stats.retries == 0
+        assert {a: list(c) for a, c in reads._conns.items()} == conns  # the restore opened none
+        pool.put(buf)
+
+
 async def test_a_server_that_refuses_our_buffer_is_read_without_shared_memory(local_cluster, monkeypatch, caplog):
     from kvfs.client import transport
 

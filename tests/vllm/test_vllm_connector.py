@@ -322,7 +322,8 @@ def test_vllm_bench_reports_miss_and_hit(tmp_path):
     import sys
 
     out = tmp_path / "vllm.json"
-    proc = subprocess.run([sys.executable, "-m", "kvfs.bench.main", "vllm", "--tokens", "200", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvfs.bench.main", "vllm", "--tokens", "200", "--rounds", "3",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"]
@@ -333,4 +334,9 @@ def test_vllm_bench_reports_miss_and_hit(tmp_path):
     assert r["hit"]["bytes_loaded"] == 2 * MATCHED * 576 * 2  # layers x tokens x 576 x bf16
     assert r["hit"]["saved_blocks"] == 0 and r["max_logprob_diff"] <= LOGPROB_TOL  # a hit writes nothing again
     assert abs(r["speedup"] - r["miss"]["ttft_s"] / r["hit"]["ttft_s"]) < 1e-9
+    # the same engine's next hits load the prefix again each time (vLLM's own prefix cache is off)
+    repeats = r["hit"]["repeats"]
+    assert r["rounds"] == len(repeats) == 3
+    assert all(x["num_cached_tokens"] == MATCHED and x["bytes_loaded"] == r["hit"]["bytes_loaded"] for x in repeats)
+    assert r["hit"]["repeat_restore_gbps"] == sorted(x["restore_gbps"] for x in repeats)[1] > 0
     print(f"saw: kvfs-bench vllm miss {r['miss']['ttft_s']:.3f}s, hit {r['hit']['ttft_s']:.3f}s")
