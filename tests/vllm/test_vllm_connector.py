@@ -340,3 +340,25 @@ def test_vllm_bench_reports_miss_and_hit(tmp_path):
     assert all(x["num_cached_tokens"] == MATCHED and x["bytes_loaded"] == r["hit"]["bytes_loaded"] for x in repeats)
     assert r["hit"]["repeat_restore_gbps"] == sorted(x["restore_gbps"] for x in repeats)[1] > 0
     print(f"saw: kvfs-bench vllm miss {r['miss']['ttft_s']:.3f}s, hit {r['hit']['ttft_s']:.3f}s")
+
+
+def test_vllm_bench_past_the_longest_cpu_prefill_writes_its_misses_and_still_loads(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from kvfs.bench.vllm import LONGEST_PREFILL
+
+    tokens = LONGEST_PREFILL + 64
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([sys.executable, "-m", "kvfs.bench.main", "vllm", "--tokens", str(tokens), "--rounds", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())["results"]
+    assert not r["misses_computed"] and r["speedup"] is None and r["max_logprob_diff"] is None
+    for phase in ("miss", "salted miss"):
+        assert r[phase]["written_by_sdk"] and r[phase]["saved_blocks"] == tokens // 64
+    loaded = tokens - 16  # all but the last vLLM block: a token is left to compute
+    for hit in (r["hit"], r["salted hit"], *r["hit"]["repeats"]):
+        assert hit["num_cached_tokens"] == loaded and hit["bytes_loaded"] == 2 * loaded * 576 * 2
+    assert r["sdk_restore"]["bytes"] == 2 * tokens * 576 * 2 and r["sdk_restore"]["gbps"] > 0
