@@ -282,7 +282,7 @@ def test_sync_client_and_buffer_pool_cpu_path(local_cluster):
         assert stats.bytes == 3 * SMALL.payload_bytes
         assert bytes(buf.numpy()) == bytes(payload)
         pool.put(buf)
-        assert pool.get(SMALL.buffer_bytes(match.tokens)) is buf  # reused, not reallocated
+        assert pool.get(SMALL.buffer_bytes(match.tokens)).data_ptr() == buf.data_ptr()  # its pages again
         with pytest.raises(InvalidArgument, match="need"):
             client.read(match, bytearray(10))
 
