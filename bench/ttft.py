@@ -20,9 +20,11 @@ from kvfs.engine import Engine, ModelConfig
 from kvfs.keys import Namespace
 from kvfs.cli.launcher import LocalCluster
 
+from .io import percentile
+
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    return percentile(values, 0.5)  # the upper median of an even count
 
 
 async def sdk_restore(client: Client, ns: Namespace, prompt: list[int], cfg: ModelConfig, pool: BufferPool) -> float:
