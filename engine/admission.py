@@ -36,6 +36,7 @@ import collections
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "always-restore", "always-recompute")
+MOST_BUSY = 0.9  # the accelerator's share in use that a recompute's charge assumes at most (AdmissionController.decide)
 
 
 class Ewma:
@@ -146,6 +147,8 @@ class AdmissionController:
     layer_lag: Ewma = field(default_factory=lambda: Ewma(initial=0.5))
     # prefills admitted a second (every request computes, a hit at least its last token)
     prefill_rate: Throughput = field(default_factory=lambda: Throughput(initial=0.0))
+    # their predicted compute, on average: with the rate, the share of the accelerator they keep busy
+    prefill_seconds: Ewma = field(default_factory=lambda: Ewma(alpha=0.1, initial=0.0))
     _last_prefill: float | None = None  # when the last one was admitted
     _busy_since: float | None = None  # when the read queue last went from empty to busy
     _last_done: float | None = None  # when the last restore finished
@@ -190,6 +193,7 @@ class AdmissionController:
 
     def compute_started(self, request: object, deadline: float, seconds: float) -> None:
         self.compute_ahead[request] = (deadline, seconds)
+        self.prefill_seconds.add(seconds)
         arrived = deadline - seconds
         if self._last_prefill is not None and arrived > self._last_prefill:
             self.prefill_rate.add(1, arrived - self._last_prefill)
@@ -226,11 +230,15 @@ class AdmissionController:
         already queued ahead of each option counts too: recomputing more means a
         later deadline, so more of the queue runs first. And an option is charged the
         wait its compute adds to other prefills: its own compute for each queued
-        behind it (due later), and for those expected to arrive while it runs (the
-        admission rate times its compute), half of it on average. A recompute takes
-        the one accelerator every miss needs: at 5 requests/s over 1 Gbit/s links the
-        hits adaptive recomputed or partly restored for a small gain of their own put
-        misses' p99 from 1.7 to 2.3 s."""
+        behind it (due later), and for those expected to arrive before the accelerator
+        is free again (the admission rate times the compute queued ahead of it and half
+        of its own, over 1 - the accelerator's share in use). A recompute takes the one
+        accelerator every miss needs: at 5 requests/s over 1 Gbit/s links the hits
+        adaptive recomputed or partly restored for a small gain of their own put misses'
+        p99 from 1.7 to 2.3 s. Charged only for the arrivals during its own run, at 6
+        requests/s with a 10x faster accelerator adaptive still recomputed enough hits
+        to double misses' p50 (0.66 to 1.48 s) and lose to always-restore (p99 4.23
+        against 2.23 s; docs/operations.md)."""
         bt = self.block_tokens
         ahead = self.bytes_ahead()  # once: the servers' reports are summed for it
 
@@ -248,11 +256,16 @@ class AdmissionController:
             return max(restore, self.layer_lag.value * restore + own + queued)
 
         arriving = self.prefill_rate.value
+        busy = min(MOST_BUSY, arriving * self.prefill_seconds.value)  # the accelerator's share in use
 
         def cost(k: int) -> tuple[float, int]:
-            own, _ = compute_of(k)
+            own, queued = compute_of(k)
             behind = self.compute_behind(now + own) if now is not None else 0
-            return ttft(k) + own * (behind + arriving * own / 2), -k
+            # the prefills expected to arrive before the accelerator is free again: those during the work
+            # queued ahead of this one (each waits `own` longer), those during its own run (half of it on
+            # average), and those the busy period they make goes on to gather, 1 / (1 - busy) times as
+            # many at that load (the length of a single-server queue's busy period)
+            return ttft(k) + own * (behind + arriving * (queued + own / 2) / (1 - busy)), -k
 
         restore_all, recompute_all = ttft(matched_blocks), ttft(0)
         if self.policy == "always-restore":

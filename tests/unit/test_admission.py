@@ -236,3 +236,22 @@ def test_prefills_expected_to_arrive_during_a_recompute_are_charged_half_of_it_e
     assert c.prefill_rate.value == pytest.approx(rate, rel=0.05) and not c.compute_ahead
     assert c.decide(**args).kind == "restore"
     assert math.isclose(AdmissionController().layer_lag.value, 0.5)  # a fresh one: neither in order nor not
+
+
+@pytest.mark.parametrize("each,kind", [(1e-4, "recompute"), (0.08, "restore")])
+def test_a_recompute_is_charged_more_the_busier_the_accelerator_is(each, kind):
+    # 10 prefills a second, each `each` seconds long and done before the decision: the same
+    # arrivals keep the accelerator 0.1% or 80% busy. Restoring 8 blocks waits ~0.2 s behind
+    # the read queue, recomputing them takes ~0.1 s. At 80% busy the prefills arriving before the
+    # accelerator is free again are five times as many as while it runs, and each waits longer
+    c = controller(queued=int(0.2e9) - 8 * BLOCK)
+    rate = 10.0
+    for i in range(int(10 * rate)):
+        arrived = 80.0 + i / rate
+        c.compute_started(i, arrived + each, each)
+        c.compute_finished(i)
+    assert c.prefill_rate.value == pytest.approx(rate, rel=0.05)
+    assert c.prefill_seconds.value == pytest.approx(each, rel=1e-3)
+    d = c.decide(matched_blocks=8, prompt_tokens=8 * 64 + 10, bytes_per_block=BLOCK, now=100.0)
+    assert d.est_recompute_all < 0.9 * d.est_restore_all  # on its own, recomputing is the faster
+    assert d.kind == kind
