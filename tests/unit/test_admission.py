@@ -242,8 +242,8 @@ def test_prefills_expected_to_arrive_during_a_recompute_are_charged_half_of_it_e
 def test_a_recompute_is_charged_more_the_busier_the_accelerator_is(each, kind):
     # 10 prefills a second, each `each` seconds long and done before the decision: the same
     # arrivals keep the accelerator 0.1% or 80% busy. Restoring 8 blocks waits ~0.2 s behind
-    # the read queue, recomputing them takes ~0.1 s. At 80% busy the prefills arriving before the
-    # accelerator is free again are five times as many as while it runs, and each waits longer
+    # the read queue, recomputing them takes ~0.1 s. At 80% busy, the prefills that arrive before
+    # the accelerator is free again (each of which the recompute delays) are five times as many
     c = controller(queued=int(0.2e9) - 8 * BLOCK)
     rate = 10.0
     for i in range(int(10 * rate)):
