@@ -23,9 +23,6 @@ from kvfs.cli.launcher import LocalCluster
 from .io import percentile
 
 
-def _median(values: list[float]) -> float:
-    return percentile(values, 0.5)  # the upper median of an even count
-
 
 async def sdk_restore(client: Client, ns: Namespace, prompt: list[int], cfg: ModelConfig, pool: BufferPool) -> float:
     """GB/s of the SDK restoring the same blocks alone (no model running beside it),
@@ -75,11 +72,11 @@ async def run_ttft(preset: str, lengths: list[int], chunkservers: int, log=print
                     sdk_rates.append(await sdk_restore(client, ns, prompt, cfg, pool))
                 rates = [h.bytes_restored / h.restore / 1e9 for h in hits]
                 h, m = hits[sorted(range(rounds), key=rates.__getitem__)[rounds // 2]], miss.timings
-                sdk = _median(sdk_rates)
+                sdk = percentile(sdk_rates, 0.5)
                 row = {"tokens": n, "rounds": rounds, "ttft_recompute_s": m.ttft,
-                       "ttft_restore_s": _median([x.ttft for x in hits]),
+                       "ttft_restore_s": percentile([x.ttft for x in hits], 0.5),
                        "bytes_written": m.bytes_written, "bytes_restored": h.bytes_restored,
-                       "restore_s": h.restore, "restore_gbps": _median(rates), "restore_gbps_all": rates,
+                       "restore_s": h.restore, "restore_gbps": percentile(rates, 0.5), "restore_gbps_all": rates,
                        "restore_wait_s": h.restore_wait, "suffix_prefill_s": h.prefill,
                        "hidden_fraction": max(0.0, 1 - h.restore_wait / h.restore),
                        "sdk_restore_gbps": sdk, "sdk_restore_gbps_all": sdk_rates}

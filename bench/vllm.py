@@ -77,9 +77,6 @@ def first_token(llm, prompt: list[int], salt: str | None = None):
     return out.outputs[0].token_ids[0], logprobs, out.num_cached_tokens, seconds
 
 
-def _median(values: list[float]) -> float:
-    return percentile(values, 0.5)  # the upper median, as kvfs-bench ttft's
-
 
 def bare_restores(worker, prompt: list[int], rounds: int = 5) -> dict:
     """The same prefix restored by the connector's own worker-side SDK client alone
@@ -96,7 +93,7 @@ def bare_restores(worker, prompt: list[int], rounds: int = 5) -> dict:
         return stats.bytes, seconds
 
     runs = [worker._loop.submit(once()).result() for _ in range(rounds)]
-    median = _median([s for _, s in runs])
+    median = percentile([s for _, s in runs], 0.5)
     return {"bytes": runs[0][0], "seconds": median, "gbps": runs[0][0] / median / 1e9}
 
 
@@ -176,7 +173,8 @@ def run_vllm(root: pathlib.Path, tokens: int, chunkservers: int = 3, rounds: int
                         repeats.append({"ttft_s": ttft, "num_cached_tokens": cached,
                                         "bytes_loaded": delta("loaded_bytes"),
                                         "worker_restore_s": delta("restore_seconds")})
-                    log(f"hit again x{rounds}: first token in {_median([r['ttft_s'] for r in repeats]):.3f}s (median)")
+                    median_ttft = percentile([r["ttft_s"] for r in repeats], 0.5)
+                    log(f"hit again x{rounds}: first token in {median_ttft:.3f}s (median)")
                     bare = bare_restores(worker, prompt, rounds=max(5, rounds))
                 close(llm)
 
@@ -189,7 +187,7 @@ def run_vllm(root: pathlib.Path, tokens: int, chunkservers: int = 3, rounds: int
         r["restore_gbps"] = r["bytes_loaded"] / r["worker_restore_s"] / 1e9 if r["worker_restore_s"] else 0.0
         r["restore_over_sdk"] = r["restore_gbps"] / bare["gbps"]
     if hit["repeats"]:
-        hit["repeat_restore_gbps"] = _median([r["restore_gbps"] for r in hit["repeats"]])
+        hit["repeat_restore_gbps"] = percentile([r["restore_gbps"] for r in hit["repeats"]], 0.5)
         hit["repeat_restore_over_sdk"] = hit["repeat_restore_gbps"] / bare["gbps"]
     return {"tokens": tokens, "rounds": rounds, **rows, "sdk_restore": bare, "misses_computed": computed,
             "speedup": miss["ttft_s"] / hit["ttft_s"] if computed else None,

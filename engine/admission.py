@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "always-restore", "always-recompute")
@@ -242,6 +243,7 @@ class AdmissionController:
         bt = self.block_tokens
         ahead = self.bytes_ahead()  # once: the servers' reports are summed for it
 
+        @functools.cache  # ttft() and cost() both ask, and the queue ahead is summed for each
         def compute_of(k: int) -> tuple[float, float]:
             """(this option's own prefill, the compute queued ahead of it)."""
             # a request still computes its last token: a full hit prefills from n - 1
