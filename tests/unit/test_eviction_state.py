@@ -112,6 +112,23 @@ def test_a_background_slice_out_of_time_stops_after_one_block_and_the_next_slice
     assert state.evict_slice(limit=64, seconds=10.0) == 0
 
 
+def test_a_slice_stops_removing_while_its_batch_write_can_still_end_by_its_deadline(make_state):
+    clock = Clock()
+    state = make_state(clock)
+    for i in range(10):  # as above: 40 blocks cached after the write that passed the high watermark
+        clock.now = 1000 + i
+        write(state, conversation(i))
+    assert state.cache_bytes == 40 * BLOCK
+    state.blocks.removal_write_s = 10.0  # each removal's share of the slice's write, as if measured
+    slices = []
+    while n := state.evict_slice(limit=64, seconds=5.0):  # time for the removals, not for such a write
+        slices.append(n)
+    assert slices == [1, 1] and state.cache_bytes == 38 * BLOCK  # one block a slice, as if out of time
+    # each slice timed its write, and the estimate moved towards what it took
+    assert state.blocks.removal_write_s < 10.0 * (1 - 0.2) ** 2 + 0.01
+    assert_consistent(state)
+
+
 def test_expiry_of_a_parent_drops_its_descendants_and_their_pending_commits(make_state):
     clock = Clock()
     state = make_state(clock)
