@@ -40,6 +40,15 @@ COMMIT_PIECE = 64  # blocks a commit decides and writes in one batch, between tw
 # eviction phase's writes fell from 2,747 to 1,826 blocks/s (each step is followed by the turns and
 # the poll gap lookups get) while its 2,000-block hit p99 stayed at 7.7-7.9 ms
 COMMIT_PIECE_BESIDE_LOOKUPS = 16
+# ... at most: beside lookups a piece is as many blocks as its running mean cost per block says fit in
+# a step (slice_seconds()), and no fewer than this. A piece's fixed cost (half a dozen multi-gets, its
+# batch write) is most of a small one's: in-process at 200K blocks, 4 blocks took 0.46-0.49 ms (p50),
+# 16 took 0.63-0.88 ms. Timed in `kvfs-bench meta --blocks 1M`, 16-block pieces held the loop 1.0-1.2 ms
+# on average beside lookups (p90 1.4-1.7), twice the steps' 0.5 ms. With a floor of 4 the pieces
+# took 0.62 ms and the writes beside lookups halved (docs/operations.md): 8 is a middle
+MIN_COMMIT_PIECE = 8
+SETTLE_S_PER_BLOCK = 60e-6  # Allocations.settle_s before a piece measured it
+PIECE_COST_WEIGHT = 0.2  # weight of the newest piece in that running mean
 # The most one step of work should hold the event loop (checked between blocks): a commit
 # building its rows, an allocation placing its blocks, a slice of eviction (state.py)
 SLICE_SECONDS = 0.0015
@@ -183,6 +192,7 @@ class Allocations:
         self.blocks = blocks
         self.clock = clock
         self.piece_blocks: Callable[[], int] = lambda: COMMIT_PIECE  # the next commit piece's size (MetaState's)
+        self.settle_s = SETTLE_S_PER_BLOCK  # seconds a commit piece takes per block (running mean)
         self.slice_seconds: Callable[[], float] = lambda: step_seconds(False)  # the next step's time (MetaState's)
         self.open: dict[bytes, Allocation] = {}
         # raises unless this metaserver answers for a hash slot now (sharded.Shards.check): alone, it does
@@ -451,8 +461,11 @@ class Allocations:
                 n = self.piece_blocks()
                 last = i + n >= len(blocks)
                 piece_garbage: list = []
+                began = time.perf_counter()
                 added, present = self._settle(namespace_digest, req.allocation_id, alloc, blocks[i : i + n],
                                               of, named, rows, piece_garbage, last=last)
+                per_block = (time.perf_counter() - began) / max(1, len(blocks[i : i + n]))
+                self.settle_s += PIECE_COST_WEIGHT * (per_block - self.settle_s)
                 discard(piece_garbage)
                 garbage += piece_garbage
                 committed += added
@@ -461,6 +474,11 @@ class Allocations:
             return committed, already, garbage
         finally:
             alloc.committing = False
+
+    def piece_within(self, seconds: float) -> int:
+        """Blocks a commit piece settles to end within `seconds` by the running mean of the
+        pieces so far: MIN_COMMIT_PIECE to COMMIT_PIECE_BESIDE_LOOKUPS."""
+        return max(MIN_COMMIT_PIECE, min(COMMIT_PIECE_BESIDE_LOOKUPS, int(seconds / self.settle_s)))
 
     def _settle(self, namespace_digest: bytes, alloc_id: bytes, alloc: Allocation, blocks, of: _Allocated,
                 named: set[bytes], rows: dict[bytes, Row], garbage: list, last: bool) -> tuple[int, int]:

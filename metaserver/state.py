@@ -27,7 +27,7 @@ from kvfs.grants import owner_sealed, parse_owner, read_grant
 from kvfs.keys import KEY_BYTES
 from kvfs.proto import meta_pb2
 
-from .allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, Allocations, joined_keys, step_seconds
+from .allocations import COMMIT_PIECE, Allocations, joined_keys, step_seconds
 from .blocks import BlockTable, Repair, layout_of
 from .config import MetaserverConfig
 from . import records
@@ -135,7 +135,8 @@ class MetaState:
         self.owns: Callable[[int], bool] = lambda slot: True
         self._step_gate = asyncio.Lock()  # the loop's step slot: allocations', commits' and background passes' steps, one at a time
         self.reads = ReadsFirst()  # lookups under way: writes' and background passes' steps make way
-        self.allocations.piece_blocks = lambda: COMMIT_PIECE_BESIDE_LOOKUPS if self.reads.coming() else COMMIT_PIECE
+        self.allocations.piece_blocks = lambda: (self.allocations.piece_within(self.slice_seconds())
+                                                 if self.reads.coming() else COMMIT_PIECE)
         self.allocations.slice_seconds = self.slice_seconds
         log.info("metadata opened: %d blocks, %d servers, %d open allocations", self.blocks.blocks,
                  len(self.members.servers), len(self.allocations.open))

@@ -497,8 +497,12 @@ def test_a_restart_between_two_pieces_of_a_commit_keeps_what_the_pieces_settled(
     assert_metadata_consistent(state)
 
 
-def test_while_lookups_keep_coming_a_commit_decides_and_writes_smaller_pieces(make_state):
-    from kvfs.metaserver.allocations import COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS
+def test_while_lookups_keep_coming_a_commit_decides_and_writes_pieces_that_fit_a_step(make_state):
+    """Beside lookups a piece is as many blocks as the pieces so far say fit in a step
+    (SLICE_SECONDS_BESIDE_LOOKUPS), between MIN_COMMIT_PIECE and COMMIT_PIECE_BESIDE_LOOKUPS;
+    each piece's time moves that running mean."""
+    from kvfs.metaserver.allocations import (COMMIT_PIECE, COMMIT_PIECE_BESIDE_LOOKUPS, MIN_COMMIT_PIECE,
+                                             SLICE_SECONDS_BESIDE_LOOKUPS)
 
     state = make_state()
     keys = block_keys(NS, range(4 * 200), 4)
@@ -506,10 +510,16 @@ def test_while_lookups_keep_coming_a_commit_decides_and_writes_smaller_pieces(ma
     steps = state.allocations.commit_steps(NS.digest, commit_request(alloc))
     assert until_a_piece_is_written(state, steps) == COMMIT_PIECE  # no lookups: whole pieces
     state.reads.ended(state.reads.began())  # a lookup, just now
-    assert until_a_piece_is_written(state, steps) == COMMIT_PIECE_BESIDE_LOOKUPS < COMMIT_PIECE
+    state.allocations.settle_s = SLICE_SECONDS_BESIDE_LOOKUPS / 10  # as if pieces took that long a block
+    assert until_a_piece_is_written(state, steps) == 10 < COMMIT_PIECE
+    assert state.allocations.settle_s != SLICE_SECONDS_BESIDE_LOOKUPS / 10  # that piece was timed
+    state.allocations.settle_s = 1.0  # pieces far slower than a step: the least piece still
+    assert state.allocations.piece_within(SLICE_SECONDS_BESIDE_LOOKUPS) == MIN_COMMIT_PIECE
+    state.allocations.settle_s = 1e-9  # far faster: no more than the most
+    assert state.allocations.piece_within(SLICE_SECONDS_BESIDE_LOOKUPS) == COMMIT_PIECE_BESIDE_LOOKUPS
     state.reads.last_began -= 3600  # none since
     assert until_a_piece_is_written(state, steps) == COMMIT_PIECE
-    with pytest.raises(StopIteration) as done:  # the last piece: the other 56
+    with pytest.raises(StopIteration) as done:  # the last piece: the other 62
         until_a_piece_is_written(state, steps)
     assert done.value.value == (200, 0, [])
     assert state.match(NS.digest, keys).matched == 200
@@ -781,11 +791,12 @@ def test_beside_lookups_a_commit_builds_its_rows_in_shorter_steps(make_state, mo
     lookups and no time limit without (commit pieces the same size either way), a
     40-block commit's steps tell them apart: 40 steps building rows and one writing
     them, against that one alone."""
-    from kvfs.metaserver import allocations, state as state_module
+    from kvfs.metaserver import allocations
 
     monkeypatch.setattr(allocations, "SLICE_SECONDS", 3600.0)
     monkeypatch.setattr(allocations, "SLICE_SECONDS_BESIDE_LOOKUPS", 0.0)
-    monkeypatch.setattr(state_module, "COMMIT_PIECE_BESIDE_LOOKUPS", state_module.COMMIT_PIECE)
+    monkeypatch.setattr(allocations, "MIN_COMMIT_PIECE", allocations.COMMIT_PIECE)
+    monkeypatch.setattr(allocations, "COMMIT_PIECE_BESIDE_LOOKUPS", allocations.COMMIT_PIECE)
     state = make_state()
     keys = block_keys(NS, range(320), 4)  # 80 blocks of 4 tokens
 
