@@ -23,7 +23,6 @@ from kvfs.cli.launcher import LocalCluster
 from .io import percentile
 
 
-
 async def sdk_restore(client: Client, ns: Namespace, prompt: list[int], cfg: ModelConfig, pool: BufferPool) -> float:
     """GB/s of the SDK restoring the same blocks alone (no model running beside it),
     into a pool buffer as the engine does."""

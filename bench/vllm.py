@@ -77,7 +77,6 @@ def first_token(llm, prompt: list[int], salt: str | None = None):
     return out.outputs[0].token_ids[0], logprobs, out.num_cached_tokens, seconds
 
 
-
 def bare_restores(worker, prompt: list[int], rounds: int = 5) -> dict:
     """The same prefix restored by the connector's own worker-side SDK client alone
     (lookup + read into its staging pool, on its kvfs thread), with no forward pass

@@ -460,11 +460,11 @@ class Allocations:
                 yield
                 n = self.piece_blocks()
                 last = i + n >= len(blocks)
-                piece_garbage: list = []
+                piece, piece_garbage = blocks[i : i + n], []
                 began = time.perf_counter()
-                added, present = self._settle(namespace_digest, req.allocation_id, alloc, blocks[i : i + n],
-                                              of, named, rows, piece_garbage, last=last)
-                per_block = (time.perf_counter() - began) / max(1, len(blocks[i : i + n]))
+                added, present = self._settle(namespace_digest, req.allocation_id, alloc, piece, of, named, rows,
+                                              piece_garbage, last=last)
+                per_block = (time.perf_counter() - began) / max(1, len(piece))
                 self.settle_s += PIECE_COST_WEIGHT * (per_block - self.settle_s)
                 discard(piece_garbage)
                 garbage += piece_garbage
