@@ -162,9 +162,11 @@ def assert_metadata_consistent(state):
     from kvfs.metaserver import records
 
     stored = block_rows(state)
-    allocs = state.allocations  # what eviction leaves alone, kept counted, is what the open allocations pin
-    assert set(allocs.pinned()) == {a.record.namespace_digest + p for a in allocs.open.values()
-                                    for p in a.record.parents if p}.union(*(p for _, p in allocs.placing.values()))
+    allocs = state.allocations  # what eviction leaves alone, kept counted, is what the allocations pin
+    assert set(allocs.pinned()) == {k for a in allocs.open.values() for k in a.pins}.union(
+        *(p for _, p in allocs.placing.values()))
+    for alloc in allocs.open.values():  # an open allocation's pins hold its blocks' parents at least
+        assert {alloc.record.namespace_digest + p for p in alloc.record.parents if p} <= set(alloc.pins)
     from kvfs.metaserver.allocations import Allocation
 
     for alloc in allocs.open.values():  # kept as placing and commits go, as a fresh look at the record finds them
