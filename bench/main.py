@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.add_argument("--servers", type=int, default=4, help="fake chunkservers, one failure domain each")
     meta.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
                       help="size the fakes so the fill ends at 95%% of the cache, then write until it evicts")
-    meta.add_argument("--samples", type=int, default=200, help="lookups per kind and phase")
+    meta.add_argument("--samples", type=int, default=1000, help="lookups per kind and phase (at least)")
     meta.add_argument("--deadline", type=float, default=10.0, help="seconds, per RPC")
     meta.add_argument("--heartbeat-interval", help="metaserver setting (default: its own)")
     meta.add_argument("--heartbeat-timeout", help="metaserver setting (default: its own)")

@@ -70,8 +70,8 @@ class Allocation:
     footprint: int = 0  # what its unsettled blocks will take of capacity once committed, per replica
     committing: bool = False  # a commit of it is under way
     # what it keeps from eviction until it closes (Allocations.pinned): its blocks' parents, which
-    # its commit needs. Placed here, it took over its placement's pins: those, its blocks found
-    # present too; read back at start-up, its record's parents.
+    # its commit needs. Placed by this process, it holds its placement's pins (its parent and all
+    # its keys, those of blocks found present included); read back at start-up, its record's parents.
     pins: Collection[bytes] = ()
 
     @classmethod
@@ -399,13 +399,14 @@ class Allocations:
         blocks whose parent expired meanwhile, which nothing could reach; each
         piece's are also passed to `discard` as soon as the piece is written, so a
         commit cut short after some pieces does not leave theirs undeleted). A
-        generator that yields between steps of at most slice_seconds() building rows, then between pieces of
-        piece_blocks() blocks deciding and writing them, and before the step that
-        closes the allocation, so a server can serve other calls while a large commit
-        builds its rows, then decides and writes them. Each piece's decision (first writer wins, parent present) is
-        made in one step with its write, so interleaving cannot change it; a
-        commit another call interleaves with may see part of this one, a prefix
-        of its blocks, like a lookup does."""
+        generator that yields between steps of at most slice_seconds() building rows,
+        then between pieces of piece_blocks() blocks deciding and writing them, and
+        before the step that closes the allocation, so a server can serve other calls
+        while a large commit builds its rows, then decides and writes them. Each
+        piece's decision (first writer wins, parent present) is made in one step with
+        its write, so interleaving cannot change it; a commit another call
+        interleaves with may see part of this one, a prefix of its blocks, like a
+        lookup does."""
         deadline = time.perf_counter() + self.slice_seconds()  # the checks below count towards the first step
         alloc = self.open.get(req.allocation_id)
         if alloc is None:
@@ -481,7 +482,7 @@ class Allocations:
                 committed += added
                 already += present
                 i += n
-            yield  # unpinning its blocks' parents, 0.4 ms for 500, in a step of its own
+            yield  # closing the allocation (its record deleted, its pins counted out) in a step of its own
             self._close_settled(req.allocation_id, alloc)
             return committed, already, garbage
         finally:
