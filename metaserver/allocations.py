@@ -110,11 +110,6 @@ class _Allocated:
         return self.record.parents[i] if i < len(self.record.parents) else b""
 
 
-def _forget(batch: Batch, alloc_id: bytes) -> None:
-    batch.delete(ALLOC + alloc_id)
-    batch.delete(ALLOC_SETTLED + alloc_id)
-
-
 def check_keys(keys, what: str, max_keys: int) -> list[bytes]:
     """The keys as a list, once they are few enough (counted before a Python object is
     made for each: a request just under the byte limit holds millions) and well formed."""
@@ -220,10 +215,18 @@ class Allocations:
         self.open[alloc_id] = alloc
         self._pin(alloc.pins, +1)
 
-    def _closed(self, alloc_id: bytes) -> Allocation:
-        alloc = self.open.pop(alloc_id)
-        self._pin(alloc.pins, -1)
-        return alloc
+    def _close(self, alloc_ids: list[bytes]) -> list[Allocation]:
+        """Forgets open allocations (their records deleted in one batch, their pins
+        counted out); the allocations."""
+        batch = Batch()
+        for a in alloc_ids:
+            batch.delete(ALLOC + a)
+            batch.delete(ALLOC_SETTLED + a)
+        self.db.write(batch)
+        closed = [self.open.pop(a) for a in alloc_ids]
+        for alloc in closed:
+            self._pin(alloc.pins, -1)
+        return closed
 
     def _pin(self, keys, delta: int) -> None:
         pins, count = self._pins, self._pins.get
@@ -492,12 +495,8 @@ class Allocations:
         """Forgets an allocation its commit settled every key of. Should it have expired
         since its last piece, it is gone already, and its expiry freed nothing: nothing
         of it was unsettled."""
-        if self.open.get(alloc_id) is not alloc:
-            return
-        batch = Batch()
-        _forget(batch, alloc_id)
-        self.db.write(batch)
-        self._closed(alloc_id)
+        if self.open.get(alloc_id) is alloc:
+            self._close([alloc_id])
 
     def piece_within(self, seconds: float) -> int:
         """Blocks a commit piece settles to end within `seconds` by the running mean of the
@@ -574,11 +573,6 @@ class Allocations:
     def expire(self) -> tuple[int, list]:
         now = self.clock()
         expired = [a for a, alloc in self.open.items() if now > alloc.record.expires_at]
-        garbage = []
-        if expired:
-            batch = Batch()
-            for a in expired:
-                garbage += self._closed(a).unsettled_chunks()
-                _forget(batch, a)
-            self.db.write(batch)
-        return len(expired), garbage
+        if not expired:
+            return 0, []
+        return len(expired), [c for alloc in self._close(expired) for c in alloc.unsettled_chunks()]
