@@ -344,7 +344,7 @@ def _meta_meanwhile(name: str, p: dict) -> str:
     if name == "lifecycle":
         runs = p["lifecycle_runs"]
         return f"RunLifecycle x{runs['count']} (p50 {runs.get('p50_ms', 0):.0f} ms); {evicted}"
-    if name == "eviction":
+    if name in ("writes", "eviction"):
         return f"wrote {p['writes']['blocks']}; {evicted}"
     if name == "repair":
         first = f", the first {p['first_copy_s']:.1f}s in" if p["first_copy_s"] is not None else ""

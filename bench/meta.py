@@ -14,8 +14,12 @@ store nothing, so what is measured is the metaserver alone. In order:
               of hits (prefixes of filled chains) and of misses after block 1,
               every answer checked;
   lifecycle - the same while RunLifecycle runs back to back;
-  eviction  - the same while writers (in a process of their own) add chains
-              until the metaserver evicts;
+  writes    - the same while writers (in a process of their own) add chains, until
+              the metaserver begins to evict: the fill's eviction left the cache at
+              the low watermark, and these writes take it up to the high one;
+  eviction  - the same while the writers go on and the metaserver evicts (inline
+              in their allocations, and in its background pass down to the low
+              watermark), until a twentieth of the fill (at most 500,000 blocks) went;
   repair    - the same once one fake server stopped heartbeating, was found
               dead and its chunks are being re-replicated;
   restart   - SIGTERM, start on the same data: time until it serves and until a
@@ -64,7 +68,8 @@ BATCH = 500  # keys per AllocateBlocks / CommitBlocks
 HIT_SIZES = (32, 512, 2000)
 LOOKUP_CHAINS = 4  # the chains lookups use: written last, then hit, so eviction keeps them
 CHECKSUM = 0x6B76_6673_6265_6E63  # any uint64: the fakes hold no bytes to check
-EVICTION_WRITES = 1_000_000  # blocks the eviction phase writes at least, or a tenth of the fill if less
+EVICTION_SHARE = 20  # the eviction phase lasts until a 1/EVICTION_SHARE of the fill was evicted,
+EVICTION_BLOCKS = 500_000  # or this many blocks if fewer
 FILL_SHARE = 0.95  # with evict: the fill ends at this share of the cache
 NO_EVICT_CAPACITY = 100 << 40  # per fake server: 100 TiB
 STATUS_COUNTERS = ("blocks", "evicted_blocks", "expired_blocks", "blocks_lost", "stranded_blocks",
@@ -330,12 +335,15 @@ class Sampler:
         self.stub, self.targets, self.samples, self.deadline = stub, targets, samples, deadline
         self.rounds = 0
 
-    async def run(self, keep_going=lambda: False) -> dict:
-        """At least `samples` rounds, and on while keep_going()."""
+    async def run(self, keep_going=lambda: False, until=None) -> dict:
+        """At least `samples` rounds, and on while keep_going(); with `until`, no more
+        rounds once until() is true (one round at least)."""
         seconds = {t.name: [] for t in self.targets}
         wrong = {t.name: collections.Counter() for t in self.targets}  # matched count of each wrong answer
         errors = {t.name: collections.Counter() for t in self.targets}
-        while self.rounds < self.samples or keep_going():
+        done = 0
+        while (self.rounds < self.samples or keep_going()) and not (done and until is not None and until()):
+            done += 1
             for t in self.targets:
                 i = self.rounds % len(t.requests)
                 t0 = time.perf_counter()
@@ -417,7 +425,7 @@ class _Run:
             p["lookups"] = await sampler().run()
         await self._lifecycle_phase(sampler())
         if cfg.evict:
-            await self._eviction_phase(sampler())
+            await self._eviction_phase(sampler)
         await self._repair_phase(sampler())
         report["memory"]["hwm_bytes_before_restart"] = _proc_status(self.meta.pid).get("VmHWM")
         samples = await asyncio.to_thread(self.probe.stop)
@@ -607,41 +615,61 @@ class _Run:
             await task
             p["lifecycle_runs"] = {**_summary(runs), "errors": dict(errors)}
 
-    async def _eviction_phase(self, sampler: Sampler) -> None:
-        """Writers in a process of their own (WriterProcess) add chains until they have
-        written a tenth of the fill (at most EVICTION_WRITES), the metaserver has evicted
-        (the fakes get its deletes) and the lookups have their samples; at most a fifth
-        of the fill more. Deletes alone do not end it: where the eviction the fill
-        started is still running (at 50M it was, 600 s after the fill), they come at
-        once, and the phase had ended after 8,000 blocks written and 2 s of samples."""
+    async def _eviction_phase(self, sampler) -> None:
+        """Writers in a process of their own (WriterProcess) add chains, measured as two
+        phases: "writes", until the metaserver begins to evict, and "eviction", from then
+        until it has evicted EVICTION_SHARE of the fill (at most EVICTION_BLOCKS) and the
+        lookups have their samples. After the fill's eviction the cache stands at the low
+        watermark, so the writers first fill the room up to the high one (about a tenth of
+        the fill) with nothing evicted; a single phase ending at the first eviction (as
+        this one did until 2026-12-06) measured that and hardly any eviction: at 10M it
+        wrote 1,056,000 blocks and evicted 4,671, all in its last moments. `sampler()`
+        makes a phase's Sampler."""
         cfg = self.cfg
+        before = await self._status()
+        evicted0 = before.evicted_blocks if before is not None else 0
         deleted0 = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0)
-        lengths = [cfg.chain] * max(1, cfg.blocks // 5 // cfg.chain)
-        least = min(cfg.blocks // 10, EVICTION_WRITES)
+        # enough for both: the room up to the high watermark, then what is evicted
+        lengths = [cfg.chain] * max(1, cfg.blocks * 3 // 10 // cfg.chain)
+        least = max(1, min(cfg.blocks // EVICTION_SHARE, EVICTION_BLOCKS))
+        writes_sampler, eviction_sampler = sampler(), sampler()
         writers = await asyncio.to_thread(WriterProcess(self.meta.address, lengths, cfg.clients, cfg.deadline,
                                                         nice=cfg.load_nice).start)
+        began = asyncio.Event()  # the metaserver evicted since the writers started
+        at_first_eviction: dict = {}  # the writers' counts then
         written: dict = {}
-        evicted = False
 
         async def watch():
-            nonlocal evicted
             while True:
                 await asyncio.sleep(0.2)
-                evicted = evicted or (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0
+                st = await self._status()
+                evicted = st.evicted_blocks - evicted0 if st is not None else 0
                 counts = await asyncio.to_thread(writers.counts)
+                if evicted and not began.is_set():
+                    at_first_eviction.update(counts)
+                    began.set()
                 if not self.meta.alive() or counts["done"] \
-                        or (evicted and sampler.rounds >= cfg.samples and counts["committed"] >= least):
+                        or (evicted >= least and eviction_sampler.rounds >= cfg.samples):
                     written.update(await asyncio.to_thread(writers.stop))
+                    began.set()
                     return
 
         try:
+            watcher = asyncio.create_task(watch())
+            async with self._phase("writes") as p:
+                p["lookups"] = await writes_sampler.run(keep_going=lambda: not began.is_set(), until=began.is_set)
+                p["writes"] = {"blocks": at_first_eviction.get("committed", written.get("committed", 0)),
+                               "writer": "own process"}
+            if not at_first_eviction:
+                self.log(f"the writers ended before the metaserver evicted: nothing measured under eviction")
             async with self._phase("eviction") as p:
-                watcher = asyncio.create_task(watch())
-                p["lookups"] = await sampler.run(keep_going=lambda: not watcher.done())
+                p["lookups"] = await eviction_sampler.run(keep_going=lambda: not watcher.done())
                 await watcher
-                p["writes"] = {"blocks": written["committed"], "failed_batches": written["failed_batches"],
-                               "errors": written["errors"], "deletes_seen": evicted, "writer": "own process",
-                               "least": least, "nice": written["nice"]}
+                deleted = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0
+                p["writes"] = {"blocks": written["committed"] - at_first_eviction.get("committed", 0),
+                               "failed_batches": written["failed_batches"], "errors": written["errors"],
+                               "deletes_seen": deleted, "writer": "own process", "least_evicted": least,
+                               "nice": written["nice"]}
         finally:
             writers.kill()
 
