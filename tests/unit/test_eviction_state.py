@@ -529,3 +529,100 @@ def test_arc_splits_the_cache_between_a_recent_and_a_frequent_segment_and_learns
     state = make_state(clock, "arc", register=False)
     assert (state.blocks.ranks.target, state.blocks.ranks.recent) == (target, recent)  # persisted
     assert_consistent(state)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_each_eviction_slice_of_a_write_is_read_ahead_off_the_loop_first(make_state, policy, monkeypatch):
+    """Before each slice, a write's eviction asks for a read off the event loop
+    (db.OffLoop) of what the slice will read: the index's next leaves and, back
+    through their prompts, each block's entry among its parent's children, which the
+    slice's children check seeks to. Every block a slice evicts after its parent's
+    other children were gone had its entry read ahead."""
+    from kvfs.metaserver import state as state_module
+    from kvfs.metaserver.db import OffLoop
+
+    monkeypatch.setattr(state_module, "EVICT_SLICE", 3)
+    clock = Clock()
+    state = make_state(clock, policy)
+    for i in range(10):  # 4 + 10 * 4 = 44 blocks: past the high watermark (43.2) with the last
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+    while state.evict_slice(limit=2):  # down to the low watermark first
+        pass
+    clock.now = 2000
+    present = lambda: {k for i in range(10) for k, here in zip(conversation(i), cached(state, conversation(i)))
+                       if here}  # noqa: E731
+    before = present()
+    new = block_keys(NS, range(50_000, 50_000 + 4 * 12), 4)  # a write of twelve blocks: four slices of three
+    steps = state.allocations.allocate_steps(NS.digest, new, LAYOUT_MSG, b"", state.make_room_steps)
+    answer, slices = None, []
+    with pytest.raises(StopIteration):
+        while True:
+            asked = steps.send(answer)
+            answer = asked.fn(*asked.args) if isinstance(asked, OffLoop) else None  # as run_steps does
+            if isinstance(asked, OffLoop) and asked.fn == state.read_ahead_eviction:
+                slices.append((set(answer), present()))
+    assert len(slices) == 4
+    # what each slice evicted: the blocks gone by the next read ahead, or by the end
+    after = [was for _, was in slices[1:]] + [present()]
+    parent_of = {k: c[j - 1] for i in range(10) for c in [conversation(i)] for j, k in enumerate(c) if j}
+    for (read, was), now in zip(slices, after):
+        gone = was - now
+        assert 1 <= len(gone) <= 3
+        assert {records.child_key(NS.digest + parent_of[k], NS.digest + k) for k in gone} <= read
+    assert len(before - present()) == 12
+    assert_consistent(state)
+
+
+@pytest.mark.asyncio
+async def test_each_background_eviction_slice_is_read_ahead_off_the_loop_first(make_state, monkeypatch):
+    """The background pass, on down to the low watermark, reads ahead before each
+    slice too, on the database's reader thread: every block a slice evicts had its
+    entry among its parent's children read there first."""
+    import asyncio
+    import threading
+
+    from kvfs.metaserver.lifecycle import Lifecycle
+
+    clock = Clock()
+    state = make_state(clock, "lru")
+    for i in range(10):  # the last write passes the high watermark: it evicts what it brings, no more
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+    assert state.evicting and state.cache_bytes > state.cfg.evict_low * state.capacity_bytes()
+    parent_of = {k: c[j - 1] for i in range(10) for c in [conversation(i)] for j, k in enumerate(c) if j}
+    present = lambda: {k for k in parent_of if state.blocks.row(NS.digest + k) is not None}  # noqa: E731
+    warm, reads = state.blocks.warm_eviction, []
+
+    def read_ahead(blocks):
+        reads.append((set(warm(blocks)), present(), threading.current_thread() is threading.main_thread()))
+        return reads[-1][0]
+
+    monkeypatch.setattr(state.blocks, "warm_eviction", read_ahead)
+    lifecycle = Lifecycle(state)
+    monkeypatch.setattr(lifecycle, "_delete_queued", lambda: asyncio.sleep(0, 0))  # no chunkservers here
+    await asyncio.wait_for(lifecycle.run_once(orphans=False), 30)
+    assert state.cache_bytes <= state.cfg.evict_low * state.capacity_bytes()
+    evicted = [was - now for (_, was, _), now in zip(reads, [was for _, was, _ in reads[1:]] + [present()])]
+    assert sum(map(len, evicted)) >= 2 and not any(on_loop for _, _, on_loop in reads)
+    for (read, _, _), gone in zip(reads, evicted):
+        assert {records.child_key(NS.digest + parent_of[k], NS.digest + k) for k in gone} <= read
+    assert_consistent(state)
+
+
+def test_a_read_ahead_that_fails_is_logged_and_the_write_evicts_all_the_same(make_state, monkeypatch, caplog):
+    clock = Clock()
+    state = make_state(clock, "lru")
+    for i in range(9):
+        clock.now = 1000 + i
+        serve(state, conversation(i))
+
+    def broken(blocks):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(state.blocks, "warm_eviction", broken)
+    clock.now = 1010
+    assert serve(state, conversation(9))[0] == 4  # past the high watermark: the write evicts what it brings
+    assert state.evicted_blocks == 4
+    assert "reading ahead for an eviction slice failed" in caplog.text and "the disk went away" in caplog.text
+    assert_consistent(state)
