@@ -31,7 +31,7 @@ from kvfs.layout import BlockLayout
 from kvfs.proto import meta_pb2
 
 from .config import MetaserverConfig
-from .db import Batch, MetaDB, seek_options
+from .db import Batch, MetaDB
 from .membership import Membership
 from . import groups
 from .groups import GROUP_SLOTS, group_key
@@ -50,7 +50,6 @@ SLOT_SPAN = 1 << 16  # slots between two prompts' first blocks: room for a promp
 GHOST_TRIM = 256  # ghosts one commit may forget
 REMOVAL_WRITE_S = 20e-6  # BlockTable.removal_write_s before the first slice measured it
 WRITE_COST_WEIGHT = 0.2  # weight of the newest slice in that running mean
-WARM_LEAVES = 4  # eviction index entries whose prompts warm_eviction reads back through
 
 
 def slot_bytes(length: int) -> int:
@@ -228,8 +227,8 @@ class Reader:
     def has_children(self, full: bytes, skip: set[bytes]) -> bool:
         """Whether a block has a child other than those in `skip` (child index keys)."""
         prefix = CHILD + full
-        if self._it is None:  # one prefix-mode iterator for every children check (db.seek_options)
-            self._it = self.db.db.iter(seek_options(prefix))
+        if self._it is None:
+            self._it = self.db.db.iter()
         it = self._it
         it.seek(prefix)
         while it.valid():
@@ -952,48 +951,6 @@ class BlockTable:
             self.removal_write_s += WRITE_COST_WEIGHT * (per_block - self.removal_write_s)
         self.evicted += len(staged.removed)
         return len(staged.removed), staged.chunks, freed
-
-    def warm_eviction(self, blocks: int) -> list[bytes]:
-        """Reads ahead what the next eviction slice of about `blocks` blocks will read on the
-        event loop, so that it finds those pages in RocksDB's block cache: for the first
-        WARM_LEAVES entries of the index it takes from, the block's slot and row group,
-        then, back through the prompt's consecutive slots up to `blocks` ancestors, each
-        block's entry among its parent's children (which the slice's children check seeks
-        to) and the groups they lie in. Once the database outgrows the block cache these
-        are reads from the disk (on a 10M-block database a cold children seek took 0.44 ms
-        and a victim's row 0.59, p50, against 0.024 and 0.037 cached); made here, on the
-        reader thread (db.OffLoop), in multi-gets, which let go of the GIL while they wait.
-        Only a warm-up: what it reads may be a moment old and is dropped; a slice that goes
-        elsewhere (a branch, a block hit since) reads the rest itself. Returns the children
-        entries read."""
-        index = FREQUENT_VICTIMS if self._frequent_first() else VICTIM
-        floor = self.victim_floor if index == VICTIM else self.index_floors.get(index, index)
-        leaves = [key[-FULL:] for key, _ in self.db.scan(index, start=floor, limit=WARM_LEAVES)]
-        if not leaves:
-            return []
-        db = self.db.db
-        walks = [(full, read_u64(s)) for full, s in zip(leaves, db.get([BLOCK + f for f in leaves])) if s is not None]
-        values: dict[bytes, bytes | None] = {}
-        children: list[bytes] = []
-        for _ in range(blocks):
-            names = list({group_key(f[:KEY_BYTES], s // GROUP_SLOTS) for f, s in walks} - values.keys())
-            if names:
-                values.update(zip(names, db.get(names)))
-            back = []
-            for full, slot in walks:
-                value, offset = values.get(group_key(full[:KEY_BYTES], slot // GROUP_SLOTS)), slot % GROUP_SLOTS
-                if value is None or value[KEY_BYTES * offset : KEY_BYTES * (offset + 1)] != full[KEY_BYTES:]:
-                    continue  # not where the slot said (moved meanwhile) or not the slot before (a branch)
-                parent = row_parent(groups.row_at(value, offset))
-                if parent and slot:
-                    children.append(child_key(full[:KEY_BYTES] + parent, full))
-                    back.append((full[:KEY_BYTES] + parent, slot - 1))
-            if not back:
-                break
-            walks = back
-        if children:
-            db.get(children)
-        return children
 
     # ---- replicas --------------------------------------------------------
 

@@ -26,22 +26,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, SliceTransform, WriteBatch
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch
 
 from kvfs.priority import lower_threads_named
 
 from . import groups
-from .records import CHILD, COUNTER, FORMAT, FORMAT_KEY, FULL, read_u64, u64
+from .records import COUNTER, FORMAT, FORMAT_KEY, read_u64, u64
 
 log = logging.getLogger(__name__)
-
-
-# The Bloom filters also hold every key's first FILTERED_PREFIX bytes: a block's children
-# entries (records.CHILD + its FULL name + the child's key) share them, so a scan of one
-# block's children skips every file that holds none instead of reading a data block in each
-# level at the seek's position. Eviction asks it of each victim's parent: on a 10M-block
-# database a cold children seek took 0.44 ms (p50), against 0.024 with its pages cached.
-FILTERED_PREFIX = len(CHILD) + FULL
 
 
 def successor(prefix: bytes) -> bytes | None:
@@ -116,11 +108,6 @@ class MetaDB:
         # same reads took 1.0 ms.
         table.set_bloom_filter(10, False)
         opts.set_block_based_table_factory(table)
-        # Prefixes in the filters too (FILTERED_PREFIX; whole keys stay in them for point reads).
-        # With a prefix extractor set, a RocksDB iterator seeks by prefix unless told otherwise:
-        # every iterator here says which (seek_options). Files written before keep their
-        # whole-key filters only, and are read in full until a compaction rewrites them.
-        opts.set_prefix_extractor(SliceTransform.create_fixed_prefix(FILTERED_PREFIX))
         self.db = Rdict(os.path.join(path, "meta"), opts)
         # Lookups first on the CPU: compactions are background work that can wait, and
         # the event loop's thread shares the host's cores with them (at 10M blocks they
@@ -132,7 +119,7 @@ class MetaDB:
             log.info("RocksDB compaction threads: %d at niceness +%d", n, compaction_nice)
         fmt = self.db.get(FORMAT_KEY)
         if fmt is None:
-            it = self.db.iter(seek_options(b""))
+            it = self.db.iter()
             it.seek_to_first()
             if it.valid():
                 raise RuntimeError(f"{path} holds metadata of an older format; move it away and start with "
@@ -193,7 +180,7 @@ class MetaDB:
         front of the next index, a queue consumed from the front, can be tens of
         thousands of them: 4 ms for the eviction index's last key after a large
         eviction had emptied the front of the expiry index behind it)."""
-        opts = seek_options(prefix, start)
+        opts = ReadOptions()
         bound = successor(prefix)
         if stop is not None and (bound is None or stop < bound):
             bound = stop
@@ -223,17 +210,3 @@ class MetaDB:
         self.sync()
         self._syncer.shutdown(wait=True)
         self.db.close()
-
-
-def seek_options(prefix: bytes, start: bytes = b"") -> ReadOptions:
-    """ReadOptions for an iterator that wants keys starting with `prefix`, from `start`
-    (a key under it, or b""): by the prefix filters where `prefix` is exactly as long as the
-    filters' prefixes (FILTERED_PREFIX), in key order across the whole database otherwise. A
-    prefix-mode iterator sees only keys with its seek key's first FILTERED_PREFIX bytes, so
-    it is right only for scans that stay within them."""
-    opts = ReadOptions()
-    if len(prefix) == FILTERED_PREFIX and (not start or start.startswith(prefix)):
-        opts.set_prefix_same_as_start(True)
-    else:
-        opts.set_total_order_seek(True)
-    return opts

@@ -101,16 +101,13 @@ class Lifecycle:
                     if time.perf_counter() > deadline:
                         break
 
-    async def drain(self, step, *args, most: int | None = None, room: bool = False, ahead=None) -> int:
+    async def drain(self, step, *args, most: int | None = None, room: bool = False) -> int:
         """Runs `step(*args)` (returning work done) a turn at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
         hits, must not keep a pass from the rest of its round), or, with `room`, until
-        the delete queue is full (removals wait for the delete pass). With `ahead`, a
-        coroutine function, awaits it before each turn (reads made ahead, off the loop)."""
+        the delete queue is full (removals wait for the delete pass)."""
         total = 0
         while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
-            if ahead is not None:
-                await ahead()
             async with self.turn():
                 n = step(*args)
             if not n:
@@ -121,13 +118,6 @@ class Lifecycle:
     def _evict_slice(self) -> int:
         """One slice of background eviction, bounded by time too."""
         return self.state.evict_slice(4 * SLICE, self.state.slice_seconds())
-
-    async def _evict_ahead(self) -> None:
-        """What the next slice of background eviction will read, read off the loop first
-        (BlockTable.warm_eviction), while eviction is under way."""
-        if self.state.evicting or self.state.over_high():
-            await asyncio.get_running_loop().run_in_executor(self.state.db.reader, self.state.read_ahead_eviction,
-                                                             4 * SLICE)
 
     def _stub(self, server_id: str) -> chunk_pb2_grpc.ChunkServiceStub | None:
         state = self.state.servers.get(server_id)
@@ -258,7 +248,7 @@ class Lifecycle:
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            await self.drain(self._evict_slice, room=True, ahead=self._evict_ahead)
+            await self.drain(self._evict_slice, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
@@ -289,7 +279,7 @@ class Lifecycle:
                 self.state.flush_usage()
                 await self.drain(self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = await self.drain(self._evict_slice, room=True, ahead=self._evict_ahead)
+                evicted = await self.drain(self._evict_slice, room=True)
                 # a full delete queue stops eviction until a delete pass empties it: that pass now,
                 # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
                 if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():

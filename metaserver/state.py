@@ -257,8 +257,7 @@ class MetaState:
         high watermark: leaves, lowest rank first, `incoming` bytes' worth, what the
         write brings and no more (past the high mark the disks may be full, and the
         new chunks must find room in the space this frees), at most `limit` blocks,
-        EVICT_SLICE a step, each after its reads were made ahead off the event loop
-        (BlockTable.warm_eviction); the background pass (`evict_slice`) goes on down to the
+        EVICT_SLICE a step; the background pass (`evict_slice`) goes on down to the
         low watermark. The blocks of allocations being placed, the parents of open
         allocations' blocks, and all their ancestors stay. A generator (yields between slices); returns
         blocks evicted. Their chunks go to the delete queue. `incoming` is counted among
@@ -271,11 +270,9 @@ class MetaState:
         capacity, before = self.capacity_bytes(), self.blocks.cache_bytes
         evicted = freed = 0
         while evicted < limit and freed < incoming:
+            if evicted:
+                yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
-            # what the slice will read, read ahead off the loop (BlockTable.warm_eviction); also the
-            # step boundary between slices, where other writers commit: what this write freed is
-            # counted per slice
-            yield OffLoop(self.read_ahead_eviction, (step,))
             was = self.blocks.cache_bytes
             n = self._evict(incoming - freed, frozenset(), step, time.perf_counter() + self.slice_seconds())
             freed += was - self.blocks.cache_bytes
@@ -289,15 +286,6 @@ class MetaState:
                 100 * before / capacity, 100 * self.blocks.cache_bytes / capacity, capacity / MiB,
                 (incoming + self.allocations.incoming_bytes()) / MiB)
         return evicted
-
-    def read_ahead_eviction(self, blocks: int) -> list[bytes]:
-        """BlockTable.warm_eviction, for the reader thread: a read ahead that fails is
-        logged and skipped (the slice reads for itself), never a write's or a pass's error."""
-        try:
-            return self.blocks.warm_eviction(blocks)
-        except Exception:
-            log.exception("reading ahead for an eviction slice failed; the slice reads for itself")
-            return []
 
     def tenant_room_steps(self, tenant: str, incoming: int, limit: int = EVICT_INLINE):
         """When `tenant`'s blocks and a write of `incoming` bytes of cache would pass its

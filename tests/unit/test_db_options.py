@@ -5,7 +5,7 @@ import pathlib
 
 from kvfs.chunkserver.config import ChunkserverConfig
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.metaserver.db import FILTERED_PREFIX, MetaDB
+from kvfs.metaserver.db import MetaDB
 
 
 def applied(db_dir: pathlib.Path) -> dict[str, str]:
@@ -27,13 +27,3 @@ def test_no_server_thread_deletes_obsolete_files_itself(tmp_path):
         assert applied(tmp_path / "cs" / "index")["avoid_unnecessary_blocking_io"] == "true"
     finally:
         store.close()
-
-
-def test_metaserver_filters_hold_the_children_prefix(tmp_path):
-    """A block's children entries share their first FILTERED_PREFIX bytes, which the
-    filters hold: a children check skips the files without them (db.py)."""
-    meta = MetaDB(str(tmp_path / "meta"), 1 << 20)
-    try:
-        assert applied(tmp_path / "meta" / "meta")["prefix_extractor"] == f"rocksdb.FixedPrefix.{FILTERED_PREFIX}"
-    finally:
-        meta.close()
