@@ -17,9 +17,9 @@ store nothing, so what is measured is the metaserver alone. In order:
   writes    - the same while writers (in a process of their own) add chains, until
               the metaserver begins to evict: the fill's eviction left the cache at
               the low watermark, and these writes take it up to the high one;
-  eviction  - the same while the writers go on and the metaserver evicts (inline
-              in their allocations, and in its background pass down to the low
-              watermark), until a twentieth of the fill (at most 500,000 blocks) went;
+  eviction  - the same while the writers go on and the metaserver evicts (in their
+              allocations, and in its background pass once that runs), until a
+              twentieth of the fill (at most 500,000 blocks) went;
   repair    - the same once one fake server stopped heartbeating, was found
               dead and its chunks are being re-replicated;
   restart   - SIGTERM, start on the same data: time until it serves and until a
@@ -618,12 +618,13 @@ class _Run:
     async def _eviction_phase(self, sampler) -> None:
         """Writers in a process of their own (WriterProcess) add chains, measured as two
         phases: "writes", until the metaserver begins to evict, and "eviction", from then
-        until it has evicted EVICTION_SHARE of the fill (at most EVICTION_BLOCKS) and the
+        until it has evicted 1/EVICTION_SHARE of the fill (at most EVICTION_BLOCKS) and the
         lookups have their samples. After the fill's eviction the cache stands at the low
         watermark, so the writers first fill the room up to the high one (about a tenth of
         the fill) with nothing evicted; a single phase ending at the first eviction (as
         this one did until 2026-12-06) measured that and hardly any eviction: at 10M it
-        wrote 1,056,000 blocks and evicted 4,671, all in its last moments. `sampler()`
+        wrote 1,056,000 blocks and evicted 4,671, all in its last moments. Where the fill's
+        eviction is still running (_settle gave up), "writes" ends at once. `sampler()`
         makes a phase's Sampler."""
         cfg = self.cfg
         before = await self._status()
@@ -661,7 +662,7 @@ class _Run:
                 p["writes"] = {"blocks": at_first_eviction.get("committed", written.get("committed", 0)),
                                "writer": "own process"}
             if not at_first_eviction:
-                self.log(f"the writers ended before the metaserver evicted: nothing measured under eviction")
+                self.log("the writers ended before the metaserver evicted: nothing measured under eviction")
             async with self._phase("eviction") as p:
                 p["lookups"] = await eviction_sampler.run(keep_going=lambda: not watcher.done())
                 await watcher
