@@ -335,15 +335,13 @@ class Sampler:
         self.stub, self.targets, self.samples, self.deadline = stub, targets, samples, deadline
         self.rounds = 0
 
-    async def run(self, keep_going=lambda: False, until=None) -> dict:
-        """At least `samples` rounds, and on while keep_going(); with `until`, no more
-        rounds once until() is true (one round at least)."""
+    async def run(self, keep_going=lambda: False, at_least: int | None = None) -> dict:
+        """At least `at_least` rounds (default: `samples`), and on while keep_going()."""
         seconds = {t.name: [] for t in self.targets}
         wrong = {t.name: collections.Counter() for t in self.targets}  # matched count of each wrong answer
         errors = {t.name: collections.Counter() for t in self.targets}
-        done = 0
-        while (self.rounds < self.samples or keep_going()) and not (done and until is not None and until()):
-            done += 1
+        least = self.samples if at_least is None else at_least
+        while self.rounds < least or keep_going():
             for t in self.targets:
                 i = self.rounds % len(t.requests)
                 t0 = time.perf_counter()
@@ -658,7 +656,7 @@ class _Run:
         try:
             watcher = asyncio.create_task(watch())
             async with self._phase("writes") as p:
-                p["lookups"] = await writes_sampler.run(keep_going=lambda: not began.is_set(), until=began.is_set)
+                p["lookups"] = await writes_sampler.run(keep_going=lambda: not began.is_set(), at_least=1)
                 p["writes"] = {"blocks": at_first_eviction.get("committed", written.get("committed", 0)),
                                "writer": "own process"}
             if not at_first_eviction:
