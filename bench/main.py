@@ -409,6 +409,16 @@ def _meta_tables(r: dict) -> None:
                       f"{pr.get('p99_ms', 0):.1f}", f"{pr.get('max_ms', 0):.0f}", str(pr["failed"]), *over, cores,
                       meanwhile)
     console.print(table)
+    table = Table(title="the metaserver's steps (writes' and background passes' work between two turns of its event "
+                        "loop; a lookup arriving during one waits for its end), by kind, per phase")
+    for col in ("phase", "kind", "steps", "mean ms", "share of loop", "> 1 ms", "> 2 ms", "> 5 ms"):
+        table.add_column(col, justify="right")
+    for name, p in r["phases"].items():
+        for kind, s in sorted(p.get("steps", {}).items(), key=lambda kv: -kv[1]["count"] * kv[1]["mean_ms"]):
+            share = f"{100 * s['loop_share']:.0f}%" if s["loop_share"] is not None else "-"
+            table.add_row(name, kind, str(s["count"]), f"{s['mean_ms']:.2f}", share,
+                          *(str(s["over"].get(k, "-")) for k in ("1ms", "2ms", "5ms")))
+    console.print(table)
     if "settle_s" in r:
         console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "
                       f"then" if r["settle_s"] is not None else "the eviction the fill started had not stopped 600 s "

@@ -369,6 +369,24 @@ async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress
         await run.close()
 
 
+def step_change(before: meta_pb2.StatusReply, after: meta_pb2.StatusReply, seconds: float) -> dict:
+    """The metaserver's steps (writes' and background passes') between two Status
+    replies, by kind: how many, their mean, their share of the `seconds` between, and how
+    many held the event loop longer than each bound (a lookup arriving meanwhile waits)."""
+    was = {s.kind: s for s in before.steps}
+    out = {}
+    for s in after.steps:
+        b = was.get(s.kind)
+        n = s.count - (b.count if b else 0)
+        if not n:
+            continue
+        held = s.seconds - (b.seconds if b else 0.0)
+        out[s.kind] = {"count": n, "mean_ms": 1e3 * held / n, "loop_share": held / seconds if seconds > 0 else None,
+                       "over": {f"{bound * 1e3:g}ms": c - (b.over_count[i] if b else 0)
+                                for i, (bound, c) in enumerate(zip(s.over_s, s.over_count))}}
+    return out
+
+
 def stall_sites(lines: list[str], n: int = 5) -> list[tuple[str, int]]:
     """Where a server's loop was held, from its log's stall lines ("held at"
     sites, kvfs.serving.StallSampler): the `n` sampled most, with their samples."""
@@ -508,6 +526,7 @@ class _Run:
                                                                      "busy": a.busy_count - b.busy_count,
                                                                      "waiting": a.waiting_count - b.waiting_count}
                                         for a, b in zip(after.loop_stalls, before.loop_stalls)}
+                entry["steps"] = step_change(before, after, seconds)
 
     async def _settle(self, timeout: float = 600) -> float | None:
         """Waits until background eviction after the fill (down to the low watermark)

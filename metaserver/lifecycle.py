@@ -63,10 +63,10 @@ class Lifecycle:
         self._calls_seen = 0  # state.client_calls after the last turn's pause
 
     @contextlib.asynccontextmanager
-    async def turn(self):
-        """One slice of a background pass. Passes take turns (asyncio.Lock is fair), and
-        after each slice the loop is left to RPCs for as long as the slice took: while
-        lookups or writes come in, all background passes together take at most half of
+    async def turn(self, kind: str):
+        """One slice of a background pass (`kind`: its name, in the steps' times).
+        Passes take turns (asyncio.Lock is fair), and after each slice the loop is left
+        to RPCs for as long as the slice took: while lookups or writes come in, all background passes together take at most half of
         the event loop's time, so a slow disk slows them, never lookups or heartbeats.
         While none came since the last slice, the pause is a quarter of that: the passes
         get most of an idle loop (an eviction after a burst of writes settles sooner).
@@ -78,7 +78,7 @@ class Lifecycle:
         turns: `kvfs-bench meta --blocks 1M` measured 1.4 ms (p50) and 5.1-5.7 ms (p99) from
         a lookup's send to its handler during the eviction phase, nearly all of it steps."""
         async with self._gate:
-            async with self.state.step_slot():
+            async with self.state.step_slot(kind):
                 t0 = time.perf_counter()
                 yield
                 if SLICE_STALL:
@@ -88,12 +88,12 @@ class Lifecycle:
             await asyncio.sleep(took * IDLE_PAUSE if idle else took)
             self._calls_seen = self.state.client_calls
 
-    async def each_in_turns(self, items, fn) -> None:
+    async def each_in_turns(self, kind: str, items, fn) -> None:
         """fn(item) for each of `items` (a page of an inventory: each check reads a
         block's row), in turns of at most slice_seconds(), one item at least."""
         at = 0
         while at < len(items):
-            async with self.turn():
+            async with self.turn(kind):
                 deadline = time.perf_counter() + self.state.slice_seconds()
                 while at < len(items):
                     fn(items[at])
@@ -101,14 +101,14 @@ class Lifecycle:
                     if time.perf_counter() > deadline:
                         break
 
-    async def drain(self, step, *args, most: int | None = None, room: bool = False) -> int:
-        """Runs `step(*args)` (returning work done) a turn at a time until it does none,
+    async def drain(self, kind: str, step, *args, most: int | None = None, room: bool = False) -> int:
+        """Runs `step(*args)` (returning work done) a turn (of `kind`) at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
         hits, must not keep a pass from the rest of its round), or, with `room`, until
         the delete queue is full (removals wait for the delete pass)."""
         total = 0
         while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
-            async with self.turn():
+            async with self.turn(kind):
                 n = step(*args)
             if not n:
                 break
@@ -217,7 +217,7 @@ class Lifecycle:
 
         try:
             async for page in self._inventory_pages(server_id):
-                await self.each_in_turns(page, unreferenced)
+                await self.each_in_turns("orphans", page, unreferenced)
                 checked += len(page)
                 await asyncio.sleep(pace)
         except grpc.aio.AioRpcError as err:
@@ -243,12 +243,12 @@ class Lifecycle:
         (with `orphans`) find orphans on every live server, delete garbage."""
         async with self._lock:
             self.state.refresh_liveness()
-            await self.drain(self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
-            n_expired = await self.drain(self.state.expire_slice, SLICE, room=True)
+            await self.drain("flush", self.state.flush_slice, 4 * SLICE, most=len(self.state.blocks.hits))
+            n_expired = await self.drain("expire", self.state.expire_slice, SLICE, room=True)
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            await self.drain(self._evict_slice, room=True)
+            await self.drain("evict", self._evict_slice, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
@@ -274,12 +274,12 @@ class Lifecycle:
         while True:
             await asyncio.sleep(FLUSH_EVERY)
             try:
-                await self.drain(self.state.flush_slice, 4 * SLICE, self.state.cfg.hit_flush_delay,
+                await self.drain("flush", self.state.flush_slice, 4 * SLICE, self.state.cfg.hit_flush_delay,
                                  most=len(self.state.blocks.hits))
                 self.state.flush_usage()
-                await self.drain(self.state.stranded_slice, SLICE)
+                await self.drain("stranded", self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = await self.drain(self._evict_slice, room=True)
+                evicted = await self.drain("evict", self._evict_slice, room=True)
                 # a full delete queue stops eviction until a delete pass empties it: that pass now,
                 # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
                 if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():
@@ -292,7 +292,7 @@ class Lifecycle:
         not their chunks), a slice of row groups per turn: one pass over the table."""
         t0, after, forgotten = time.monotonic(), records.ROW, 0
         while after is not None:
-            async with self.turn():
+            async with self.turn("forget"):
                 n, after = self.state.forget_slice(slots, after, SLICE)
             forgotten += n
         log.info("forgot %d blocks of %d hash slots handed to another metaserver, in %.1f s", forgotten, len(slots),
@@ -312,13 +312,13 @@ class Lifecycle:
             for sid in self.state.live_servers():
                 async for page in self._inventory_pages(sid):
                     for at in range(0, len(page), STAGE_PIECE):  # a page is 1,000 chunks: ~10 ms of work
-                        async with self.turn():
+                        async with self.turn("rebuild"):
                             self.state.rebuild_stage(sid, page[at : at + STAGE_PIECE], slots)
                     seen += len(page)
             staged = time.monotonic()
             restored = incomplete = 0
             while True:
-                async with self.turn():
+                async with self.turn("rebuild"):
                     r, i = self.state.rebuild_slice(SLICE)
                 if not r and not i:
                     break

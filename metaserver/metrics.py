@@ -180,3 +180,17 @@ class StatusCollector(Collector):
         yield stalls
         yield busy
         yield waiting
+        steps = CounterMetricFamily("kvfs_meta_steps", "steps of writes and background passes on the event loop, "
+                                    "by kind (readsfirst.StepTimes)", labels=["kind"])
+        held = CounterMetricFamily("kvfs_meta_steps_seconds", "how long they held the event loop, together",
+                                   labels=["kind"])
+        long = CounterMetricFamily("kvfs_meta_long_steps", "of those, steps longer than over_seconds (a lookup "
+                                   "that arrives during one waits for its end)", labels=["kind", "over_seconds"])
+        for s in st.steps:
+            steps.add_metric([s.kind], s.count)
+            held.add_metric([s.kind], s.seconds)
+            for bound, n in zip(s.over_s, s.over_count):
+                long.add_metric([s.kind, repr(bound)], n)
+        yield steps
+        yield held
+        yield long

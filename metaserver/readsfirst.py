@@ -50,12 +50,37 @@ TURNS = 4  # turns of the loop between two steps while lookups keep coming
 # however many, left a lookup 2-4 steps (p50 2, p99 4) between its send and its handler
 GAP = 0.0003
 RECENT = 0.05  # seconds: a lookup begun this recently means more are coming
+# Steps are counted by how long they held the loop: over each bound (StepTimes). Beside lookups a
+# step should take at most allocations.SLICE_SECONDS_BESIDE_LOOKUPS (0.5 ms).
+STEP_BOUNDS = (0.001, 0.002, 0.005)
 # A call is counted in as it arrives, before its body is read; it counts as under way only
 # until ARRIVING_STALE unless it reaches its handler (with its caller's access checked and
 # its body parsed): one that never does (refused, oversized, past its deadline) is never
 # reported ended. One that reached it counts until gRPC reports its end, or STALE.
 ARRIVING_STALE = 0.02
 STALE = 1.0
+
+
+class StepTimes:
+    """How long steps held the event loop, by kind of work (a fixed few: "allocate",
+    "commit", the background passes'): how many, their sum, and how many took longer
+    than each of STEP_BOUNDS. A lookup that arrives during a step waits for its end,
+    so the long ones make lookups' tail. (Status and the metrics report them.)"""
+
+    def __init__(self):
+        self.kinds: dict[str, list] = {}  # kind -> [count, seconds, [over each bound]]
+
+    def record(self, kind: str, seconds: float) -> None:
+        entry = self.kinds.get(kind)
+        if entry is None:
+            entry = self.kinds[kind] = [0, 0.0, [0] * len(STEP_BOUNDS)]
+        entry[0] += 1
+        entry[1] += seconds
+        over = entry[2]
+        for i, bound in enumerate(STEP_BOUNDS):
+            if seconds <= bound:
+                break
+            over[i] += 1
 
 
 class ReadsFirst:
@@ -71,6 +96,7 @@ class ReadsFirst:
         self.last_began = -math.inf  # when a lookup last reached its handler
         self.waits = 0  # steps that waited for lookups
         self.waited_s = 0.0  # and how long, together
+        self.steps = StepTimes()  # how long steps took (state.step_slot)
 
     def arrived(self) -> int:
         self._tokens += 1

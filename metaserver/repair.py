@@ -83,7 +83,7 @@ class Repairer:
         lost, wanting = [], 0
         work = self.state.replica_slices(SLICE)
         while True:
-            async with self.lifecycle.turn():
+            async with self.lifecycle.turn("repair"):
                 found = next(work, None)
             if found is None:
                 break
@@ -106,7 +106,7 @@ class Repairer:
         the round copied); nothing is dropped while a returning server awaits
         reconciliation (it may hold the copies)."""
         for i in range(0, len(candidates), SLICE):
-            async with self.lifecycle.turn():
+            async with self.lifecycle.turn("repair"):
                 if self.state.to_reconcile():
                     return
                 _, still_lost, _ = self.state.blocks.check_replicas(candidates[i : i + SLICE])
@@ -142,7 +142,7 @@ class Repairer:
                     stale.append(info.chunk_id)
 
             async for page in self.lifecycle._inventory_pages(sid):
-                await self.lifecycle.each_in_turns(page, check)
+                await self.lifecycle.each_in_turns("repair", page, check)
             await self.lifecycle.delete_on(sid, stale)
         except grpc.aio.AioRpcError as err:
             log.warning("reconciling %s failed (%s); it stays out until the next round", sid, err.code().name)
@@ -206,7 +206,7 @@ class Repairer:
             new_copies = [meta_pb2.StoredChunk(chunk_id=r.chunk.chunk_id, servers=added)]
             updated = None
             try:
-                async with self.lifecycle.turn():
+                async with self.lifecycle.turn("repair"):
                     updated = self.state.update_replicas(r.full_key, r.chunk.chunk_id, added, gone)
                     if not updated:  # the block expired meanwhile: the new copies are orphans
                         self.lifecycle.queue_deletes(new_copies)

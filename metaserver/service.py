@@ -22,6 +22,7 @@ from kvfs.shards import hash_slot
 
 from .lifecycle import Lifecycle
 from .metrics import RpcMetrics, timed
+from .readsfirst import STEP_BOUNDS
 from .repair import Repairer
 from .sharded import Shards
 from .state import MetaState
@@ -237,6 +238,8 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply.repair_copied_bytes, reply.repair_failed_copies = r.copied_bytes, r.failed_copies
         for bound, n, busy, waiting in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy, self.loop.over_waiting):
             reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy, waiting_count=waiting)
+        for kind, (n, seconds, over) in sorted(st.reads.steps.kinds.items()):
+            reply.steps.add(kind=kind, count=n, seconds=seconds, over_s=STEP_BOUNDS, over_count=over)
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

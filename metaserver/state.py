@@ -63,7 +63,7 @@ def _answer(fn, args) -> tuple:
 
 
 @contextlib.asynccontextmanager
-async def step_slot(gate: asyncio.Lock, reads: ReadsFirst):
+async def step_slot(gate: asyncio.Lock, reads: ReadsFirst, kind: str):
     """Holds `gate`, the event loop's one step slot, for a step of synchronous work
     (the body: it must not await). Steps of all the callers sharing the gate take
     turns, at most one per turn of the loop: eight writers each with a step ready
@@ -73,27 +73,32 @@ async def step_slot(gate: asyncio.Lock, reads: ReadsFirst):
     the same turn. So it is released in the next turn, before which every other
     caller that came for it queues behind.) The step makes way for lookups first
     (readsfirst.py), and while they keep coming the gate is held through the turns
-    after it: spaced steps of one caller would leave those turns to the next one's."""
+    after it: spaced steps of one caller would leave those turns to the next one's.
+    The step's time is counted under `kind` (readsfirst.StepTimes)."""
     loop = asyncio.get_running_loop()
     await gate.acquire()
     try:
         await reads.before_step()
-        yield
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            reads.steps.record(kind, time.perf_counter() - began)
         if reads.coming():  # the turns after a step are the lookups', not another step's
             await reads.after_step()
     finally:
         loop.call_soon(gate.release)
 
 
-async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, reader: Executor | None = None):
+async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, kind: str, reader: Executor | None = None):
     """run_steps(), serving the event loop between steps, each in the step slot
-    `gate` (step_slot). A read a step asks for (db.OffLoop) is made on `reader`
+    `gate` (step_slot), counted under `kind`. A read a step asks for (db.OffLoop) is made on `reader`
     (None: the loop's default executor) without the gate: other writers' steps go on
     meanwhile."""
     loop = asyncio.get_running_loop()
     answer, error = None, None
     while True:
-        async with step_slot(gate, reads):
+        async with step_slot(gate, reads, kind):
             try:
                 asked = steps.throw(error) if error is not None else steps.send(answer)
             except StopIteration as done:
@@ -199,16 +204,16 @@ class MetaState:
         hold the event loop: less while lookups keep coming (allocations.step_seconds)."""
         return step_seconds(self.reads.coming())
 
-    def step_slot(self):
-        """The loop's step slot (step_slot()), for a slice of synchronous work."""
-        return step_slot(self._step_gate, self.reads)
+    def step_slot(self, kind: str):
+        """The loop's step slot (step_slot()), for a slice of synchronous work of `kind`."""
+        return step_slot(self._step_gate, self.reads, kind)
 
     async def allocate_async(self, namespace_digest: bytes, keys: list[bytes], layout_msg,
                              parent: bytes = b"", first_key: bytes = b"") -> meta_pb2.AllocateBlocksReply:
         """allocate(), letting the event loop serve other calls between its pieces."""
         steps = self.allocations.allocate_steps(namespace_digest, keys, layout_msg, parent, self.make_room_steps,
                                                 first_key)
-        return await run_steps_async(steps, self._step_gate, self.reads, self.db.reader)
+        return await run_steps_async(steps, self._step_gate, self.reads, "allocate", self.db.reader)
 
     def commit(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """Commits blocks (Allocations.commit_steps); the chunks that became garbage
@@ -218,7 +223,7 @@ class MetaState:
     async def commit_async(self, namespace_digest: bytes, req: meta_pb2.CommitBlocksRequest) -> tuple[int, int, list]:
         """commit(), letting the event loop serve other calls between pieces of a large one."""
         return await run_steps_async(self.allocations.commit_steps(namespace_digest, req, self.queue_deletes),
-                                     self._step_gate, self.reads, self.db.reader)
+                                     self._step_gate, self.reads, "commit", self.db.reader)
 
     def match_bytes(self, namespace_digest: bytes, keys, tenant: str = "", joined: bytes = b"") -> bytes:
         """MatchPrefix's reply, serialized, with a read grant for the namespace, which is

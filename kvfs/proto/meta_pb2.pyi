@@ -293,7 +293,7 @@ class ServerStatus(_message.Message):
     def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., failure_domain: _Optional[str] = ..., live: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., chunk_count: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s", "repair_backlog", "repair_copied_chunks", "repair_copied_bytes", "repair_failed_copies", "forgotten_blocks")
+    __slots__ = ("servers", "blocks", "block_bytes", "replicas", "chains", "open_allocations", "expired_blocks", "gc_deleted_chunks", "blocks_lost", "replicas_lost", "evicted_blocks", "stranded_blocks", "cache_bytes", "cache_capacity_bytes", "loop_stalls", "loop_longest_stall_s", "repair_backlog", "repair_copied_chunks", "repair_copied_bytes", "repair_failed_copies", "forgotten_blocks", "steps")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class StatusReply(_message.Message):
     REPAIR_COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FAILED_COPIES_FIELD_NUMBER: _ClassVar[int]
     FORGOTTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedCompositeFieldContainer[ServerStatus]
     blocks: int
     block_bytes: int
@@ -336,7 +337,8 @@ class StatusReply(_message.Message):
     repair_copied_bytes: int
     repair_failed_copies: int
     forgotten_blocks: int
-    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ..., repair_backlog: _Optional[int] = ..., repair_copied_chunks: _Optional[int] = ..., repair_copied_bytes: _Optional[int] = ..., repair_failed_copies: _Optional[int] = ..., forgotten_blocks: _Optional[int] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[StepTimes]
+    def __init__(self, servers: _Optional[_Iterable[_Union[ServerStatus, _Mapping]]] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., replicas: _Optional[int] = ..., chains: _Optional[int] = ..., open_allocations: _Optional[int] = ..., expired_blocks: _Optional[int] = ..., gc_deleted_chunks: _Optional[int] = ..., blocks_lost: _Optional[int] = ..., replicas_lost: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stranded_blocks: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_capacity_bytes: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStalls, _Mapping]]] = ..., loop_longest_stall_s: _Optional[float] = ..., repair_backlog: _Optional[int] = ..., repair_copied_chunks: _Optional[int] = ..., repair_copied_bytes: _Optional[int] = ..., repair_failed_copies: _Optional[int] = ..., forgotten_blocks: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepTimes, _Mapping]]] = ...) -> None: ...
 
 class UsageRequest(_message.Message):
     __slots__ = ("tenants",)
@@ -385,6 +387,20 @@ class TenantUsage(_message.Message):
     as_of: float
     cache_bytes: int
     def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+
+class StepTimes(_message.Message):
+    __slots__ = ("kind", "count", "seconds", "over_s", "over_count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVER_S_FIELD_NUMBER: _ClassVar[int]
+    OVER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    count: int
+    seconds: float
+    over_s: _containers.RepeatedScalarFieldContainer[float]
+    over_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ..., seconds: _Optional[float] = ..., over_s: _Optional[_Iterable[float]] = ..., over_count: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopStalls(_message.Message):
     __slots__ = ("over_s", "count", "busy_count", "waiting_count")

@@ -251,6 +251,15 @@ def test_meta_bench_report_shape(tmp_path):
     restart = r["restart"]
     assert "error" not in restart and restart["matched"] == restart["expected"] == 2000
     assert restart["full_match_s"] >= restart["serving_s"] > 0 and restart["stop_s"] > 0
+    # the metaserver's steps per phase: the fill's writes allocate and commit, the eviction phase's
+    # background pass evicts; each kind's counts add up (a long step is one over the shorter bounds too)
+    assert {"allocate", "commit"} <= set(r["phases"]["fill"]["steps"])
+    assert r["phases"]["eviction"]["steps"]["allocate"]["count"] > 0
+    for phase in r["phases"].values():
+        for s in phase["steps"].values():
+            over = [s["over"][k] for k in ("1ms", "2ms", "5ms")]
+            assert s["count"] >= over[0] >= over[1] >= over[2] >= 0 and s["mean_ms"] > 0 and s["loop_share"] > 0
+    assert "the metaserver's steps" in stdout
     assert "FAKE chunkservers" in stdout and "0 wrong answers" in stdout
 
 

@@ -51,6 +51,7 @@ def state_metrics(samples: dict) -> dict:
     out["used"] = {labels[0][1]: v for (name, labels), v in samples.items() if name == "kvfs_meta_server_used_bytes"}
     out["stalls"] = {labels[0][1]: v for (name, labels), v in samples.items()
                      if name == "kvfs_meta_loop_stalls_total"}
+    out["long_steps"] = {labels: v for (name, labels), v in samples.items() if name == "kvfs_meta_long_steps_total"}
     return out
 
 
@@ -63,6 +64,8 @@ def status_fields(st: meta_pb2.StatusReply) -> dict:
     out["dead"] = sum(not s.live for s in st.servers)
     out["used"] = {s.id: s.used_bytes for s in st.servers}
     out["stalls"] = {repr(s.over_s): s.count for s in st.loop_stalls}
+    out["long_steps"] = {(("kind", s.kind), ("over_seconds", repr(bound))): n for s in st.steps
+                         for bound, n in zip(s.over_s, s.over_count)}
     return out
 
 
@@ -97,6 +100,10 @@ async def test_metaserver_metrics_count_lookups_calls_and_report_its_state(local
     assert not any(name == "kvfs_meta_rpc_errors_total" and dict(labels)["method"] != "MatchPrefix"
                    for name, labels in after)
     assert after[("process_resident_memory_bytes", ())] > 0
+    # the write's steps: its allocation's and its commit's, each counted with the time it held the loop
+    for kind in ("allocate", "commit"):
+        assert moved(before, after, "kvfs_meta_steps_total", kind=kind) >= 1
+        assert moved(before, after, "kvfs_meta_steps_seconds_total", kind=kind) > 0
 
     def same_as_status():  # the state metrics come from a snapshot at most a second old
         status = meta_status(cluster.meta_address, credentials=cluster.admin)

@@ -705,7 +705,7 @@ async def test_writers_steps_take_turns_at_most_one_per_turn_of_the_event_loop()
 
     gate = asyncio.Lock()
     try:
-        results = await asyncio.gather(*(run_steps_async(steps(n), gate, ReadsFirst()) for n in "abcdefgh"))
+        results = await asyncio.gather(*(run_steps_async(steps(n), gate, ReadsFirst(), "commit") for n in "abcdefgh"))
     finally:
         turns.stop()
     assert results == list("abcdefgh") and len(seen) == 40
@@ -746,8 +746,9 @@ async def test_a_read_a_step_asks_for_is_made_off_the_loop_while_other_writers_g
 
     gate = asyncio.Lock()
     with concurrent.futures.ThreadPoolExecutor(1) as reader:
-        (answer, thread, seen), name = await asyncio.gather(run_steps_async(reading(), gate, ReadsFirst(), reader),
-                                                            run_steps_async(other(), gate, ReadsFirst(), reader))
+        (answer, thread, seen), name = await asyncio.gather(
+            run_steps_async(reading(), gate, ReadsFirst(), "allocate", reader),
+            run_steps_async(other(), gate, ReadsFirst(), "allocate", reader))
     assert (answer, name) == (42, "other") and seen == [True] and thread != loop_thread
     release.clear()
     release.set()
@@ -766,7 +767,7 @@ async def test_a_read_a_step_asks_for_is_made_off_the_loop_while_other_writers_g
             raise
 
     with pytest.raises(OSError, match="said no"):
-        await run_steps_async(failing(), asyncio.Lock(), ReadsFirst())
+        await run_steps_async(failing(), asyncio.Lock(), ReadsFirst(), "commit")
     with pytest.raises(OSError, match="said no"):
         run_steps(failing())
     assert cleaned == ["the disk said no"] * 2
@@ -854,11 +855,12 @@ async def test_a_background_slice_and_a_writers_step_never_share_a_turn_of_the_e
 
     async def background():
         for _ in range(6):
-            async with lifecycle.turn():
+            async with lifecycle.turn("evict"):
                 seen.append(("pass", turns.n))
 
     try:
-        await asyncio.gather(background(), *(run_steps_async(steps(n), state._step_gate, state.reads) for n in "ab"))
+        await asyncio.gather(background(),
+                             *(run_steps_async(steps(n), state._step_gate, state.reads, "commit") for n in "ab"))
     finally:
         turns.stop()
     assert len(seen) == 18 and {name for name, _ in seen} == {"pass", "a", "b"}

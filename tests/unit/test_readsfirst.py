@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from kvfs.metaserver import readsfirst
-from kvfs.metaserver.readsfirst import CountsLookups, ReadsFirst
+from kvfs.metaserver.readsfirst import STEP_BOUNDS, CountsLookups, ReadsFirst
+from kvfs.metaserver.state import step_slot
 
 from helpers import Clock, Turns
 
@@ -179,14 +180,34 @@ async def test_while_lookups_keep_coming_eight_writers_steps_leave_the_turns_bet
     try:
         reads.ended(reads.began())  # a lookup just now (the still clock keeps it recent)
         gate = asyncio.Lock()
-        await asyncio.gather(*(run_steps_async(steps(), gate, reads) for _ in range(8)))
+        await asyncio.gather(*(run_steps_async(steps(), gate, reads, "commit") for _ in range(8)))
         coming = sorted(seen)
         seen.clear()
         clock.now += readsfirst.RECENT * 2  # none since
-        await asyncio.gather(*(run_steps_async(steps(), gate, reads) for _ in range(8)))
+        await asyncio.gather(*(run_steps_async(steps(), gate, reads, "commit") for _ in range(8)))
         quiet = sorted(seen)
     finally:
         turns.stop()
     assert len(coming) == len(quiet) == 32
     assert min(b - a for a, b in zip(coming, coming[1:])) >= readsfirst.TURNS
     assert max(b - a for a, b in zip(quiet, quiet[1:])) <= 2  # without lookups, a step every turn or so
+
+
+async def test_steps_are_counted_by_kind_with_how_long_they_held_the_loop():
+    """A lookup arriving during a step waits for its end: the long ones are counted,
+    by kind, over each bound; a step that raises is counted too."""
+    reads, gate = ReadsFirst(), asyncio.Lock()
+    long_step = STEP_BOUNDS[1] + 0.0005  # over the first two bounds, under the third
+    async with step_slot(gate, reads, "commit"):
+        time.sleep(long_step)  # holds the loop, as a step's work does
+    for _ in range(3):
+        async with step_slot(gate, reads, "commit"):
+            pass
+    with pytest.raises(RuntimeError):
+        async with step_slot(gate, reads, "evict"):
+            raise RuntimeError("a step that fails")
+    commit, evict = reads.steps.kinds["commit"], reads.steps.kinds["evict"]
+    assert commit[0] == 4 and commit[1] >= long_step
+    assert commit[2][:2] == [1, 1] and commit[2][2] <= 1  # the long step alone (it may overrun a busy machine's 5 ms)
+    assert evict[0] == 1 and evict[2] == [0, 0, 0]
+    assert set(reads.steps.kinds) == {"commit", "evict"}
