@@ -66,8 +66,9 @@ class Lifecycle:
     async def turn(self, kind: str):
         """One slice of a background pass (`kind`: its name, in the steps' times).
         Passes take turns (asyncio.Lock is fair), and after each slice the loop is left
-        to RPCs for as long as the slice took: while lookups or writes come in, all background passes together take at most half of
-        the event loop's time, so a slow disk slows them, never lookups or heartbeats.
+        to RPCs for as long as the slice took: while lookups or writes come in, all
+        background passes together take at most half of the event loop's time, so a
+        slow disk slows them, never lookups or heartbeats.
         While none came since the last slice, the pause is a quarter of that: the passes
         get most of an idle loop (an eviction after a burst of writes settles sooner).
 
