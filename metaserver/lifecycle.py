@@ -103,10 +103,11 @@ class Lifecycle:
                         break
 
     async def drain(self, kind: str, step, *args, most: int | None = None, room: bool = False) -> int:
-        """Runs `step(*args)` (returning work done) a turn (of `kind`) at a time until it does none,
+        """Runs `step(*args)` (returning work done) a turn at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
         hits, must not keep a pass from the rest of its round), or, with `room`, until
-        the delete queue is full (removals wait for the delete pass)."""
+        the delete queue is full (removals wait for the delete pass). The turns are
+        counted under `kind` in the steps' times."""
         total = 0
         while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
             async with self.turn(kind):

@@ -92,9 +92,9 @@ async def step_slot(gate: asyncio.Lock, reads: ReadsFirst, kind: str):
 
 async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, kind: str, reader: Executor | None = None):
     """run_steps(), serving the event loop between steps, each in the step slot
-    `gate` (step_slot), counted under `kind`. A read a step asks for (db.OffLoop) is made on `reader`
-    (None: the loop's default executor) without the gate: other writers' steps go on
-    meanwhile."""
+    `gate` (step_slot) and counted under `kind`. A read a step asks for (db.OffLoop)
+    is made on `reader` (None: the loop's default executor) without the gate: other
+    writers' steps go on meanwhile."""
     loop = asyncio.get_running_loop()
     answer, error = None, None
     while True:
