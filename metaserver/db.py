@@ -108,7 +108,12 @@ class MetaDB:
         # same reads took 1.0 ms.
         table.set_bloom_filter(10, False)
         opts.set_block_based_table_factory(table)
-        self.db = Rdict(os.path.join(path, "meta"), opts)
+        # The options go to the default column family by name too: reopening a database without
+        # them, rocksdict opened it with the column family's options as saved (the cache's size
+        # kept, but no filter policy), so every restarted metaserver read without its Bloom
+        # filters (its LOG: "filter_policy: nullptr"). On a 10M-block database so reopened, a
+        # multi-get of 8 absent keys within the stored range took 138 us, 17 a key.
+        self.db = Rdict(os.path.join(path, "meta"), opts, column_families={"default": opts})
         # Lookups first on the CPU: compactions are background work that can wait, and
         # the event loop's thread shares the host's cores with them (at 10M blocks they
         # took 3-9% of a core while writers evicted; docs/operations.md). The pool's

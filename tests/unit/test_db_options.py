@@ -1,6 +1,7 @@
 """RocksDB settings both servers rely on, read back from the OPTIONS file RocksDB
 writes when it opens a database (what it applied, not what was asked)."""
 
+import os
 import pathlib
 
 from kvfs.chunkserver.config import ChunkserverConfig
@@ -27,3 +28,29 @@ def test_no_server_thread_deletes_obsolete_files_itself(tmp_path):
         assert applied(tmp_path / "cs" / "index")["avoid_unnecessary_blocking_io"] == "true"
     finally:
         store.close()
+
+
+def test_the_metaservers_bloom_filters_survive_a_reopen(tmp_path):
+    """Reopened without its column family's options, rocksdict gave the database the
+    options saved in it, less the filter policy: a restarted metaserver read every
+    absent key's data blocks (db.py). Checked in the OPTIONS file of each open, and by
+    what reads of absent keys within the stored range bring into the block cache."""
+    path = tmp_path / "meta"
+    prefix = b"b" + bytes(15)  # stored keys and the absent ones share it: every file's range holds them
+    for n in range(2):
+        meta = MetaDB(str(path), 64 << 20)
+        try:
+            assert applied(path / "meta")["filter_policy"] == "bloomfilter", f"open {n + 1}"
+            if n == 0:
+                for i in range(20_000):
+                    meta.db.put(prefix + os.urandom(16), os.urandom(40))
+                meta.db.flush()
+                continue
+            before = int(meta.db.property_value("rocksdb.block-cache-usage"))
+            absent = [prefix + os.urandom(16) for _ in range(2_000)]
+            assert meta.db.get(absent) == [None] * len(absent)
+            loaded = int(meta.db.property_value("rocksdb.block-cache-usage")) - before
+            # a filter lets about 1% through to a 4 KiB data block; without one, each read loads one
+            assert loaded < 2_000 * 4096 // 10, loaded
+        finally:
+            meta.close()
