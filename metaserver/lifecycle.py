@@ -80,11 +80,10 @@ class Lifecycle:
         a lookup's send to its handler during the eviction phase, nearly all of it steps."""
         async with self._gate:
             async with self.state.step_slot(kind):
-                t0 = time.perf_counter()
                 yield
                 if SLICE_STALL:
                     time.sleep(SLICE_STALL)
-                took = time.perf_counter() - t0
+            took = self.state.reads.steps.last  # the slice's time, as the step slot counted it
             idle = self.state.client_calls == self._calls_seen
             await asyncio.sleep(took * IDLE_PAUSE if idle else took)
             self._calls_seen = self.state.client_calls

@@ -69,8 +69,10 @@ class StepTimes:
 
     def __init__(self):
         self.kinds: dict[str, list] = {}  # kind -> [count, seconds, [over each bound]]
+        self.last = 0.0  # seconds the last step took (a background pass pauses as long after it)
 
     def record(self, kind: str, seconds: float) -> None:
+        self.last = seconds
         entry = self.kinds.get(kind)
         if entry is None:
             entry = self.kinds[kind] = [0, 0.0, [0] * len(STEP_BOUNDS)]
