@@ -410,14 +410,20 @@ def _meta_tables(r: dict) -> None:
                       meanwhile)
     console.print(table)
     table = Table(title="the metaserver's steps (writes' and background passes' work between two turns of its event "
-                        "loop; a lookup arriving during one waits for its end), by kind, per phase")
-    for col in ("phase", "kind", "steps", "mean ms", "share of loop", "> 1 ms", "> 2 ms", "> 5 ms"):
+                        "loop; a lookup arriving during one waits for its end), by kind, per phase; over each bound: "
+                        "all / those whose CPU time alone was over it (the others also waited: for a core, the disk, "
+                        "a lock)")
+    for col in ("phase", "kind", "steps", "mean ms", "share of loop", "on CPU", "> 1 ms", "> 2 ms", "> 5 ms"):
         table.add_column(col, justify="right")
+
+    def percent(share: float | None) -> str:
+        return f"{100 * share:.0f}%" if share is not None else "-"
+
     for name, p in r["phases"].items():
         for kind, s in sorted(p.get("steps", {}).items(), key=lambda kv: -kv[1]["count"] * kv[1]["mean_ms"]):
-            share = f"{100 * s['loop_share']:.0f}%" if s["loop_share"] is not None else "-"
-            table.add_row(name, kind, str(s["count"]), f"{s['mean_ms']:.2f}", share,
-                          *(str(s["over"].get(k, "-")) for k in ("1ms", "2ms", "5ms")))
+            table.add_row(name, kind, str(s["count"]), f"{s['mean_ms']:.2f}", percent(s["loop_share"]),
+                          percent(s.get("on_cpu")), *(f"{s['over'].get(k, '-')} / {s.get('over_on_cpu', {}).get(k, '-')}"
+                                                      for k in ("1ms", "2ms", "5ms")))
     console.print(table)
     if "settle_s" in r:
         console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "

@@ -371,8 +371,10 @@ async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress
 
 def step_change(before: meta_pb2.StatusReply, after: meta_pb2.StatusReply, seconds: float) -> dict:
     """The metaserver's steps (writes' and background passes') between two Status
-    replies, by kind: how many, their mean, their share of the `seconds` between, and how
-    many held the event loop longer than each bound (a lookup arriving meanwhile waits)."""
+    replies, by kind: how many, their mean, their share of the `seconds` between, the
+    share of their time its loop thread was on the CPU, and how many held the event loop
+    longer than each bound (a lookup arriving meanwhile waits), and of those how many
+    took that long on the CPU alone (the others also waited: for a core, the disk, a lock)."""
     was = {s.kind: s for s in before.steps}
     out = {}
     for s in after.steps:
@@ -381,9 +383,15 @@ def step_change(before: meta_pb2.StatusReply, after: meta_pb2.StatusReply, secon
         if not n:
             continue
         held = s.seconds - (b.seconds if b else 0.0)
+        cpu = s.cpu_seconds - (b.cpu_seconds if b else 0.0)
+
+        def over(counts: str) -> dict:
+            return {f"{bound * 1e3:g}ms": c - (getattr(b, counts)[i] if b else 0)
+                    for i, (bound, c) in enumerate(zip(s.over_s, getattr(s, counts)))}
+
         out[s.kind] = {"count": n, "mean_ms": 1e3 * held / n, "loop_share": held / seconds if seconds > 0 else None,
-                       "over": {f"{bound * 1e3:g}ms": c - (b.over_count[i] if b else 0)
-                                for i, (bound, c) in enumerate(zip(s.over_s, s.over_count))}}
+                       "on_cpu": cpu / held if held > 0 else None,
+                       "over": over("over_count"), "over_on_cpu": over("over_cpu_count")}
     return out
 
 

@@ -186,11 +186,16 @@ class StatusCollector(Collector):
                                    labels=["kind"])
         long = CounterMetricFamily("kvfs_meta_long_steps", "of those, steps longer than over_seconds (a lookup "
                                    "that arrives during one waits for its end)", labels=["kind", "over_seconds"])
+        cpu = CounterMetricFamily("kvfs_meta_steps_cpu_seconds", "the event loop thread's CPU time in them, "
+                                  "together", labels=["kind"])
+        long_cpu = CounterMetricFamily("kvfs_meta_long_busy_steps", "of those, steps whose CPU time alone passed "
+                                       "over_seconds (their own work held the loop; the others also waited for a "
+                                       "core, the disk or a lock)", labels=["kind", "over_seconds"])
         for s in st.steps:
             steps.add_metric([s.kind], s.count)
             held.add_metric([s.kind], s.seconds)
-            for bound, n in zip(s.over_s, s.over_count):
+            cpu.add_metric([s.kind], s.cpu_seconds)
+            for bound, n, busy_n in zip(s.over_s, s.over_count, s.over_cpu_count):
                 long.add_metric([s.kind, repr(bound)], n)
-        yield steps
-        yield held
-        yield long
+                long_cpu.add_metric([s.kind, repr(bound)], busy_n)
+        yield from (steps, held, cpu, long, long_cpu)

@@ -65,24 +65,29 @@ class StepTimes:
     """How long steps held the event loop, by kind of work (a fixed few: "allocate",
     "commit", the background passes'): how many, their sum, and how many took longer
     than each of STEP_BOUNDS. A lookup that arrives during a step waits for its end,
-    so the long ones make lookups' tail. (Status and the metrics report them.)"""
+    so the long ones make lookups' tail. The loop thread's CPU time in them is counted
+    the same way: a step over a bound whose CPU time is not was long because the thread
+    waited (for a core, the disk, or a lock), not because of its own work. (Status and
+    the metrics report them.)"""
 
     def __init__(self):
-        self.kinds: dict[str, list] = {}  # kind -> [count, seconds, [over each bound]]
+        # kind -> [count, seconds, [over each bound], cpu seconds, [CPU time over each bound]]
+        self.kinds: dict[str, list] = {}
         self.last = 0.0  # seconds the last step took (a background pass pauses as long after it)
 
-    def record(self, kind: str, seconds: float) -> None:
+    def record(self, kind: str, seconds: float, cpu_seconds: float) -> None:
         self.last = seconds
         entry = self.kinds.get(kind)
         if entry is None:
-            entry = self.kinds[kind] = [0, 0.0, [0] * len(STEP_BOUNDS)]
+            entry = self.kinds[kind] = [0, 0.0, [0] * len(STEP_BOUNDS), 0.0, [0] * len(STEP_BOUNDS)]
         entry[0] += 1
         entry[1] += seconds
-        over = entry[2]
-        for i, bound in enumerate(STEP_BOUNDS):
-            if seconds <= bound:
-                break
-            over[i] += 1
+        entry[3] += cpu_seconds
+        for over, took in ((entry[2], seconds), (entry[4], cpu_seconds)):
+            for i, bound in enumerate(STEP_BOUNDS):
+                if took <= bound:
+                    break
+                over[i] += 1
 
 
 class ReadsFirst:

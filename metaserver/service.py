@@ -238,8 +238,9 @@ class MetaServicer(meta_pb2_grpc.MetaServiceServicer):
             reply.repair_copied_bytes, reply.repair_failed_copies = r.copied_bytes, r.failed_copies
         for bound, n, busy, waiting in zip(STALL_BOUNDS, self.loop.over, self.loop.over_busy, self.loop.over_waiting):
             reply.loop_stalls.add(over_s=bound, count=n, busy_count=busy, waiting_count=waiting)
-        for kind, (n, seconds, over) in sorted(st.reads.steps.kinds.items()):
-            reply.steps.add(kind=kind, count=n, seconds=seconds, over_s=STEP_BOUNDS, over_count=over)
+        for kind, (n, seconds, over, cpu, over_cpu) in sorted(st.reads.steps.kinds.items()):
+            reply.steps.add(kind=kind, count=n, seconds=seconds, over_s=STEP_BOUNDS, over_count=over,
+                            cpu_seconds=cpu, over_cpu_count=over_cpu)
         for sid in sorted(st.servers):
             s = st.servers[sid]
             reply.servers.add(id=sid, address=s.record.address, failure_domain=s.record.failure_domain,

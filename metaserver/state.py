@@ -79,11 +79,11 @@ async def step_slot(gate: asyncio.Lock, reads: ReadsFirst, kind: str):
     await gate.acquire()
     try:
         await reads.before_step()
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            reads.steps.record(kind, time.perf_counter() - began)
+            reads.steps.record(kind, time.perf_counter() - began, time.thread_time() - began_cpu)
         if reads.coming():  # the turns after a step are the lookups', not another step's
             await reads.after_step()
     finally:

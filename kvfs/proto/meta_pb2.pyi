@@ -389,18 +389,22 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., lookups: _Optional[int] = ..., blocks_requested: _Optional[int] = ..., blocks_hit: _Optional[int] = ..., tokens_hit: _Optional[int] = ..., bytes_hit: _Optional[int] = ..., blocks_written: _Optional[int] = ..., tokens_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., byte_seconds: _Optional[float] = ..., since: _Optional[float] = ..., as_of: _Optional[float] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class StepTimes(_message.Message):
-    __slots__ = ("kind", "count", "seconds", "over_s", "over_count")
+    __slots__ = ("kind", "count", "seconds", "over_s", "over_count", "cpu_seconds", "over_cpu_count")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     OVER_S_FIELD_NUMBER: _ClassVar[int]
     OVER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVER_CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     count: int
     seconds: float
     over_s: _containers.RepeatedScalarFieldContainer[float]
     over_count: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ..., seconds: _Optional[float] = ..., over_s: _Optional[_Iterable[float]] = ..., over_count: _Optional[_Iterable[int]] = ...) -> None: ...
+    cpu_seconds: float
+    over_cpu_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., count: _Optional[int] = ..., seconds: _Optional[float] = ..., over_s: _Optional[_Iterable[float]] = ..., over_count: _Optional[_Iterable[int]] = ..., cpu_seconds: _Optional[float] = ..., over_cpu_count: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopStalls(_message.Message):
     __slots__ = ("over_s", "count", "busy_count", "waiting_count")

@@ -252,13 +252,17 @@ def test_meta_bench_report_shape(tmp_path):
     assert "error" not in restart and restart["matched"] == restart["expected"] == 2000
     assert restart["full_match_s"] >= restart["serving_s"] > 0 and restart["stop_s"] > 0
     # the metaserver's steps per phase: the fill's writes allocate and commit, and so do the eviction
-    # phase's writers; each kind's counts add up (a long step is one over the shorter bounds too)
+    # phase's writers; each kind's counts add up (a long step is one over the shorter bounds too), and
+    # a step long on the CPU alone is long
     assert {"allocate", "commit"} <= set(r["phases"]["fill"]["steps"])
     assert r["phases"]["eviction"]["steps"]["allocate"]["count"] > 0
     for phase in r["phases"].values():
         for s in phase["steps"].values():
             over = [s["over"][k] for k in ("1ms", "2ms", "5ms")]
+            busy = [s["over_on_cpu"][k] for k in ("1ms", "2ms", "5ms")]
             assert s["count"] >= over[0] >= over[1] >= over[2] >= 0 and s["mean_ms"] > 0 and s["loop_share"] > 0
+            assert busy[0] >= busy[1] >= busy[2] >= 0 and all(b <= o for b, o in zip(busy, over)), s
+            assert 0 < s["on_cpu"] <= 1.05, s
     assert "the metaserver's steps" in stdout
     assert "FAKE chunkservers" in stdout and "0 wrong answers" in stdout
 

@@ -52,6 +52,8 @@ def state_metrics(samples: dict) -> dict:
     out["stalls"] = {labels[0][1]: v for (name, labels), v in samples.items()
                      if name == "kvfs_meta_loop_stalls_total"}
     out["long_steps"] = {labels: v for (name, labels), v in samples.items() if name == "kvfs_meta_long_steps_total"}
+    out["long_busy_steps"] = {labels: v for (name, labels), v in samples.items()
+                              if name == "kvfs_meta_long_busy_steps_total"}
     return out
 
 
@@ -66,6 +68,8 @@ def status_fields(st: meta_pb2.StatusReply) -> dict:
     out["stalls"] = {repr(s.over_s): s.count for s in st.loop_stalls}
     out["long_steps"] = {(("kind", s.kind), ("over_seconds", repr(bound))): n for s in st.steps
                          for bound, n in zip(s.over_s, s.over_count)}
+    out["long_busy_steps"] = {(("kind", s.kind), ("over_seconds", repr(bound))): n for s in st.steps
+                              for bound, n in zip(s.over_s, s.over_cpu_count)}
     return out
 
 
@@ -101,9 +105,11 @@ async def test_metaserver_metrics_count_lookups_calls_and_report_its_state(local
                    for name, labels in after)
     assert after[("process_resident_memory_bytes", ())] > 0
     # the write's steps: its allocation's and its commit's, each counted with the time it held the loop
+    # and the loop thread's CPU time in it
     for kind in ("allocate", "commit"):
         assert moved(before, after, "kvfs_meta_steps_total", kind=kind) >= 1
         assert moved(before, after, "kvfs_meta_steps_seconds_total", kind=kind) > 0
+        assert moved(before, after, "kvfs_meta_steps_cpu_seconds_total", kind=kind) > 0
 
     def same_as_status():  # the state metrics come from a snapshot at most a second old
         status = meta_status(cluster.meta_address, credentials=cluster.admin)

@@ -195,11 +195,16 @@ async def test_while_lookups_keep_coming_eight_writers_steps_leave_the_turns_bet
 
 async def test_steps_are_counted_by_kind_with_how_long_they_held_the_loop():
     """A lookup arriving during a step waits for its end: the long ones are counted,
-    by kind, over each bound; a step that raises is counted too."""
+    by kind, over each bound, and apart those long on the CPU alone; a step that raises
+    is counted too."""
     reads, gate = ReadsFirst(), asyncio.Lock()
     long_step = STEP_BOUNDS[1] + 0.0005  # over the first two bounds, under the third
     async with step_slot(gate, reads, "commit"):
-        time.sleep(long_step)  # holds the loop, as a step's work does
+        time.sleep(long_step)  # holds the loop off the CPU, as a step waiting for the disk does
+    async with step_slot(gate, reads, "commit"):
+        cpu0 = time.thread_time()
+        while time.thread_time() - cpu0 < long_step:  # holds it on the CPU, as a step's work does
+            pass
     for _ in range(3):
         async with step_slot(gate, reads, "commit"):
             pass
@@ -207,7 +212,10 @@ async def test_steps_are_counted_by_kind_with_how_long_they_held_the_loop():
         async with step_slot(gate, reads, "evict"):
             raise RuntimeError("a step that fails")
     commit, evict = reads.steps.kinds["commit"], reads.steps.kinds["evict"]
-    assert commit[0] == 4 and commit[1] >= long_step
-    assert commit[2][:2] == [1, 1] and commit[2][2] <= 1  # the long step alone (it may overrun a busy machine's 5 ms)
-    assert evict[0] == 1 and evict[2] == [0, 0, 0]
+    assert commit[0] == 5 and commit[1] >= 2 * long_step
+    # both long steps (either may overrun a busy machine's 5 ms); the sleeping one not on the CPU
+    assert commit[2][:2] == [2, 2] and commit[2][2] <= 2
+    assert long_step <= commit[3] < commit[1] - long_step / 2
+    assert commit[4][:2] == [1, 1] and commit[4][2] <= 1
+    assert evict[0] == 1 and evict[2] == [0, 0, 0] and evict[4] == [0, 0, 0]
     assert set(reads.steps.kinds) == {"commit", "evict"}
