@@ -421,9 +421,10 @@ def _meta_tables(r: dict) -> None:
 
     for name, p in r["phases"].items():
         for kind, s in sorted(p.get("steps", {}).items(), key=lambda kv: -kv[1]["count"] * kv[1]["mean_ms"]):
+            busy = s.get("over_on_cpu", {})
             table.add_row(name, kind, str(s["count"]), f"{s['mean_ms']:.2f}", percent(s["loop_share"]),
-                          percent(s.get("on_cpu")), *(f"{s['over'].get(k, '-')} / {s.get('over_on_cpu', {}).get(k, '-')}"
-                                                      for k in ("1ms", "2ms", "5ms")))
+                          percent(s.get("on_cpu")),
+                          *(f"{s['over'].get(k, '-')} / {busy.get(k, '-')}" for k in ("1ms", "2ms", "5ms")))
     console.print(table)
     if "settle_s" in r:
         console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "
