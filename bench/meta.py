@@ -378,21 +378,22 @@ def step_change(before: meta_pb2.StatusReply, after: meta_pb2.StatusReply, secon
     was = {s.kind: s for s in before.steps}
     out = {}
     for s in after.steps:
-        b = was.get(s.kind)
-        n = s.count - (b.count if b else 0)
+        b = was.get(s.kind) or meta_pb2.StepTimes()  # a kind with no step before counts from zero
+        n = s.count - b.count
         if not n:
             continue
-        held = s.seconds - (b.seconds if b else 0.0)
-        cpu = s.cpu_seconds - (b.cpu_seconds if b else 0.0)
-
-        def over(counts: str) -> dict:
-            return {f"{bound * 1e3:g}ms": c - (getattr(b, counts)[i] if b else 0)
-                    for i, (bound, c) in enumerate(zip(s.over_s, getattr(s, counts)))}
-
+        held = s.seconds - b.seconds
         out[s.kind] = {"count": n, "mean_ms": 1e3 * held / n, "loop_share": held / seconds if seconds > 0 else None,
-                       "on_cpu": cpu / held if held > 0 else None,
-                       "over": over("over_count"), "over_on_cpu": over("over_cpu_count")}
+                       "on_cpu": (s.cpu_seconds - b.cpu_seconds) / held if held > 0 else None,
+                       "over": _by_bound(s.over_s, s.over_count, b.over_count),
+                       "over_on_cpu": _by_bound(s.over_s, s.over_cpu_count, b.over_cpu_count)}
     return out
+
+
+def _by_bound(bounds, now, was) -> dict:
+    """Counts per bound ("2ms": n) now, less those `was` (empty: none)."""
+    was = list(was) or [0] * len(bounds)
+    return {f"{bound * 1e3:g}ms": c - w for bound, c, w in zip(bounds, now, was)}
 
 
 def stall_sites(lines: list[str], n: int = 5) -> list[tuple[str, int]]:
