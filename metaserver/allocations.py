@@ -449,6 +449,7 @@ class Allocations:
         alloc.committing = True
         try:
             now = self.clock()
+            deferred = None  # the last piece's last block, committed with its child to follow (child_next)
             rows: dict[bytes, Row] = {}  # each block's row, should it be committed
             for block in blocks:
                 if time.perf_counter() > deadline:
@@ -475,9 +476,13 @@ class Allocations:
                 n = self.piece_blocks()
                 last = i + n >= len(blocks)
                 piece, piece_garbage = blocks[i : i + n], []
+                # the piece's last block, should the next piece begin with its child, enters no
+                # eviction index now, nor is it looked up as that child's parent (BlockTable.add)
+                child_next = not last and of.parent(blocks[i + n].key) == piece[-1].key
                 began = time.perf_counter()
-                added, present = self._settle(namespace_digest, req.allocation_id, alloc, piece, of, named, rows,
-                                              piece_garbage, last=last)
+                added, present, deferred = self._settle(namespace_digest, req.allocation_id, alloc, piece, of,
+                                                        named, rows, piece_garbage, last=last,
+                                                        child_next=child_next, no_leaf=deferred)
                 per_block = (time.perf_counter() - began) / max(1, len(piece))
                 self.settle_s += PIECE_COST_WEIGHT * (per_block - self.settle_s)
                 discard(piece_garbage)
@@ -490,6 +495,8 @@ class Allocations:
             return committed, already, garbage
         finally:
             alloc.committing = False
+            if deferred is not None:  # cut short before its child's piece (an error, the call cancelled)
+                self.blocks.leaf_if_childless(deferred)
 
     def _close_settled(self, alloc_id: bytes, alloc: Allocation) -> None:
         """Forgets an allocation its commit settled every key of. Should it have expired
@@ -504,10 +511,13 @@ class Allocations:
         return max(MIN_COMMIT_PIECE, min(COMMIT_PIECE_BESIDE_LOOKUPS, int(seconds / self.settle_s)))
 
     def _settle(self, namespace_digest: bytes, alloc_id: bytes, alloc: Allocation, blocks, of: _Allocated,
-                named: set[bytes], rows: dict[bytes, Row], garbage: list, last: bool) -> tuple[int, int]:
+                named: set[bytes], rows: dict[bytes, Row], garbage: list, last: bool, child_next: bool = False,
+                no_leaf: bytes | None = None) -> tuple[int, int, bytes | None]:
         """Decides and writes one piece of a commit (`blocks`, parents before children):
         first writer wins, and a block whose parent is gone is garbage. Returns blocks
-        committed and blocks another writer committed first; adds the chunks that
+        committed, blocks another writer committed first, and, with `child_next` (the
+        next piece begins with the child of this one's last block), that block if
+        committed: the next piece's `no_leaf` (BlockTable.add). Adds the chunks that
         became garbage to `garbage`, with those of blocks the commit did not name
         (abandoned) up to the piece's end; the `last` piece settles every key of the allocation
         (commit_steps then closes it, in a step of its own)."""
@@ -547,7 +557,8 @@ class Allocations:
         if new:
             layout = layout_of(record.layout)
             self.blocks.usage.written(namespace_digest, len(new), layout.block_tokens, layout.payload_bytes)
-        garbage += self.blocks.add(batch, list(new.items()), replaced)
+        follows = fulls[-1] if child_next and fulls[-1] in new else None
+        garbage += self.blocks.add(batch, list(new.items()), replaced, child_next=follows, no_leaf=no_leaf)
         settled = len(record.keys) if last else of.order[blocks[-1].key] + 1
         for key in record.keys[record.settled : settled]:
             if key not in named:
@@ -556,7 +567,7 @@ class Allocations:
         record.settled = settled
         batch.put(ALLOC_SETTLED + alloc_id, u64(settled))
         self.db.write(batch)
-        return len(new), already
+        return len(new), already, follows
 
     def _check_receipts(self, block: meta_pb2.CommitBlock, chunks) -> None:
         """Every server a chunk of the block was placed on must have sealed a receipt
@@ -575,4 +586,14 @@ class Allocations:
         expired = [a for a, alloc in self.open.items() if now > alloc.record.expires_at]
         if not expired:
             return 0, []
-        return len(expired), [c for alloc in self._close(expired) for c in alloc.unsettled_chunks()]
+        closed = self._close(expired)
+        for alloc in closed:
+            # a commit cut short between two pieces by a crash may have left the last block it
+            # settled out of the eviction index, its child to follow (commit_steps' child_next);
+            # one another allocation pins may be that one's, its child to follow still
+            r = alloc.record
+            if 0 < r.settled < len(r.keys) and r.settled < len(r.parents) \
+                    and r.parents[r.settled] == r.keys[r.settled - 1] \
+                    and (full := r.namespace_digest + r.keys[r.settled - 1]) not in self._pins:
+                self.blocks.leaf_if_childless(full)
+        return len(expired), [c for alloc in closed for c in alloc.unsettled_chunks()]

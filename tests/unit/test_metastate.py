@@ -633,6 +633,84 @@ def test_a_commit_cut_short_between_pieces_is_finished_by_its_retry_and_none_run
 
 
 
+def victim_of(state, full: bytes) -> bytes:
+    from kvfs.metaserver import records
+
+    row = state.blocks.row(full)
+    return records.victim_key(row.rank, row.last_used, row.depth, full)
+
+
+def test_a_commits_pieces_seek_child_entries_twice_a_commit_not_twice_a_piece(make_state):
+    """The last block of a piece followed by its child's piece enters no eviction index
+    (pinned meanwhile, then a parent), so neither piece seeks its child entries (a read
+    in every level of the database that no filter rules out): only the commit's first
+    parent and its last block are looked up. The result is the same metadata."""
+    state = make_state()
+    keys = block_keys(NS, range(4 * 300), 4)
+    write(state, keys[:100])
+    alloc = state.allocate(NS.digest, keys[100:], LAYOUT_MSG, parent=keys[99])
+    seeks = []
+    has_prefix = state.db.has_prefix
+    state.db.has_prefix = lambda prefix, *a: seeks.append(prefix) or has_prefix(prefix, *a)
+    steps = state.allocations.commit_steps(NS.digest, commit_request(alloc))
+    pieces = []
+    with pytest.raises(StopIteration):
+        while True:
+            before = state.blocks.blocks
+            next(steps)
+            pieces += [state.blocks.blocks - before] if state.blocks.blocks != before else []
+    from kvfs.metaserver.records import CHILD
+
+    assert pieces == [64, 64, 64, 8]
+    assert seeks == [CHILD + NS.digest + keys[99], CHILD + NS.digest + keys[299]]
+    assert state.match(NS.digest, keys).matched == 300
+    assert_metadata_consistent(state)  # the last block is the one leaf
+
+
+def test_a_commit_cut_short_between_pieces_leaves_its_last_committed_block_evictable(make_state):
+    from helpers import keys_under
+    from kvfs.metaserver.records import VICTIM
+
+    state = make_state()
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    steps = state.allocations.commit_steps(NS.digest, commit_request(alloc))
+    first = until_a_piece_is_written(state, steps)
+    assert victim_of(state, NS.digest + keys[first - 1]) not in keys_under(state, VICTIM)  # its child comes next
+    steps.close()  # the call is cancelled before that
+    assert keys_under(state, VICTIM) == {victim_of(state, NS.digest + keys[first - 1])}
+    assert_metadata_consistent(state)
+
+
+def test_a_crash_between_pieces_leaves_the_last_committed_block_evictable_once_the_allocation_expires(
+        make_state, tmp_path):
+    import shutil
+
+    from helpers import keys_under
+    from kvfs.metaserver.records import VICTIM
+
+    clock = Clock()
+    state = make_state(clock)
+    keys = block_keys(NS, range(4 * 200), 4)
+    alloc = state.allocate(NS.digest, keys, LAYOUT_MSG)
+    steps = state.allocations.commit_steps(NS.digest, commit_request(alloc))
+    first = until_a_piece_is_written(state, steps)
+    state.db.sync()
+    shutil.copytree(tmp_path / "meta", tmp_path / "crashed")  # the database as a crash now leaves it
+    steps.close()
+    state.close()
+    shutil.rmtree(tmp_path / "meta")
+    (tmp_path / "crashed").rename(tmp_path / "meta")
+    state = make_state(clock, register=False)
+    assert state.allocations.open[alloc.allocation_id].record.settled == first
+    assert not keys_under(state, VICTIM)  # the piece's last block waited for its child's piece
+    clock.now += 61  # past allocation_timeout
+    assert state.expire_allocations()[0] == 1
+    assert keys_under(state, VICTIM) == {victim_of(state, NS.digest + keys[first - 1])}
+    assert state.match(NS.digest, keys).matched == first
+    assert_metadata_consistent(state)
+
+
 def test_the_garbage_of_each_piece_is_queued_for_deletion_even_if_the_commit_is_cut_short(make_state):
     state = make_state()
     keys = block_keys(NS, range(4 * 200), 4)
