@@ -311,17 +311,27 @@ def _rebuild(args) -> int:
 def _meta(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .meta import BenchAborted, MetaBenchConfig, config_dict, parse_count, run_meta
+    from .meta import BenchAborted, MetaBenchConfig, config_dict, load_saved, parse_count, run_meta
 
-    cfg = MetaBenchConfig(blocks=parse_count(args.blocks), chain=args.chain, clients=args.clients,
-                          servers=args.servers, evict=args.evict, samples=args.samples, deadline=args.deadline,
-                          heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
-                          load_nice=args.load_nice)
+    sizes = {"blocks": parse_count(args.blocks), "chain": args.chain, "servers": args.servers}
+    if args.reuse:
+        try:
+            sizes = load_saved(args.reuse)["config"]  # the reused run's
+        except BenchAborted as err:
+            console.print(f"kvfs-bench meta: --reuse {args.reuse}: {err}", markup=False, highlight=False)
+            return 1
+    cfg = MetaBenchConfig(**sizes, clients=args.clients, evict=args.evict, samples=args.samples,
+                          deadline=args.deadline, heartbeat_interval=args.heartbeat_interval,
+                          heartbeat_timeout=args.heartbeat_timeout, load_nice=args.load_nice, reuse=args.reuse)
     changed = " ".join(cfg.meta_flags()) or "none (its defaults)"
-    eviction = "on: the fill ends at 95% of the cache" if cfg.evict else "off"
+    eviction = ("on: the reused blocks sit at the low watermark" if cfg.reuse
+                else "on: the fill ends at 95% of the cache") if cfg.evict else "off"
+    filled = (f"no fill: a copy of the database of the run in {cfg.reuse} ({cfg.blocks} MLA blocks filled there in "
+              f"chains of {cfg.chain})" if cfg.reuse
+              else f"{cfg.blocks} MLA blocks in chains of {cfg.chain} from {cfg.clients} writers")
     with _scratch(args.data_dir) as root:
-        console.print(f"kvfs-bench meta: one real metaserver, {cfg.blocks} MLA blocks in chains of {cfg.chain} from "
-                      f"{cfg.clients} writers; metaserver settings changed: {changed}; {cfg.servers} FAKE chunkservers "
+        console.print(f"kvfs-bench meta: one real metaserver, {filled}; metaserver settings changed: {changed}; "
+                      f"{cfg.servers} FAKE chunkservers "
                       f"in a child process (they store nothing: chunk writes never happen, ListChunks is empty, "
                       f"DeleteChunks and CopyChunk succeed at once) and the eviction phase's writers at nice "
                       f"{cfg.load_nice}; eviction {eviction}; data in {root}")
@@ -369,14 +379,19 @@ def _meta_tables(r: dict) -> None:
         return "-" if n is None else f"{n:,.0f}"
 
     fill = r["fill"]
-    table = Table(title=f"fill: {fill['blocks']} blocks committed in {fill['chains']} chains "
-                        f"({fill['failed_batches']} batches failed, {fill['refused']} blocks refused)")
-    for col in ("blocks/s", *(f"decile {i + 1}" for i in range(len(fill["deciles"])))):
-        table.add_column(col, justify="right")
-    table.add_row(f"{fill['blocks_per_s']:,.0f}", *(f"{d['blocks_per_s']:,.0f}" for d in fill["deciles"]))
-    console.print(table)
+    if "reused" in fill:
+        console.print(f"no fill: the database of {fill['reused']} copied in {fill['copy_s']:.1f} s; the metaserver "
+                      f"served {fill['serving_s']:.1f} s after its start, holding {fill['blocks']} blocks")
+    else:
+        table = Table(title=f"fill: {fill['blocks']} blocks committed in {fill['chains']} chains "
+                            f"({fill['failed_batches']} batches failed, {fill['refused']} blocks refused)")
+        for col in ("blocks/s", *(f"decile {i + 1}" for i in range(len(fill["deciles"])))):
+            table.add_column(col, justify="right")
+        table.add_row(f"{fill['blocks_per_s']:,.0f}", *(f"{d['blocks_per_s']:,.0f}" for d in fill["deciles"]))
+        console.print(table)
     mem, disk = r["memory"], r["disk"]
-    table = Table(title=f"the metaserver after the fill: {mem['blocks']} blocks held ({mem['evicted_blocks']} evicted)")
+    after = "its start on the reused database" if "reused" in fill else "the fill"
+    table = Table(title=f"the metaserver after {after}: {mem['blocks']} blocks held ({mem['evicted_blocks']} evicted)")
     for col in ("RSS MB", "RSS B/block", "peak MB", "peak B/block", "disk MB", "disk B/block"):
         table.add_column(col, justify="right")
     table.add_row(mb(mem["rss_bytes"]), per(mem["rss_per_block"]), mb(mem["hwm_bytes"]), per(mem["hwm_per_block"]),
@@ -720,7 +735,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="CPU niceness of the load beside the metaserver (the fake chunkservers and the eviction "
                            "phase's writers, which stand for other machines); 0: they compete for this machine's "
                            "cores as equals")
-    meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed)")
+    meta.add_argument("--data-dir", help="where the metaserver keeps data (default: a temp folder, removed); kept, "
+                                          "a later run can --reuse it")
+    meta.add_argument("--reuse", metavar="DIR",
+                      help="no fill: start on a copy of the database an earlier run kept in DIR (its --data-dir), "
+                           "the fakes sized so that what it holds sits at the low watermark, and go on from the "
+                           "steady phase; --blocks, --chain and --servers are that run's")
     rebuild = sub.add_parser("rebuild", help="a real metaserver rebuilding its metadata from chunkserver "
                                              "inventories (fake chunkservers): seconds per million blocks")
     rebuild.add_argument("--blocks", default="200K", help="blocks the inventories hold: 20000, 200K, 1M")

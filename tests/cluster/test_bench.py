@@ -1,6 +1,7 @@
 """kvfs-bench writes reports of the documented shape (never checked for speed)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -196,8 +197,54 @@ def test_faults_bench_reports_windows_detection_and_re_replication(tmp_path):
     assert "detected after" in stdout
 
 
-def test_meta_bench_report_shape(tmp_path):
-    report, stdout = run(["meta", "--blocks", "20000", "--chain", "2000", "--samples", "20"], tmp_path)
+@pytest.fixture(scope="module")
+def kept_meta_run(tmp_path_factory):
+    """A 20,000-block `kvfs-bench meta` run whose folder is kept (--data-dir), for --reuse."""
+    tmp = tmp_path_factory.mktemp("meta")
+    report, stdout = run(["meta", "--blocks", "20000", "--chain", "2000", "--samples", "20",
+                          "--data-dir", str(tmp / "kept")], tmp)
+    return report, stdout, tmp / "kept"
+
+
+def _files(folder):
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_meta_bench_reuses_a_kept_database_without_changing_it(kept_meta_run, tmp_path):
+    first, _, kept = kept_meta_run
+    before = _files(kept / "metaserver")
+    report, stdout = run(["meta", "--reuse", str(kept), "--samples", "20", "--data-dir", str(tmp_path / "again")],
+                         tmp_path)
+    config, r = report["config"], report["results"]
+    assert config["reuse"] == str(kept) and config["blocks"] == 20000 and config["servers"] == 4  # the kept run's
+    fill = r["fill"]
+    assert fill["reused"] == str(kept) and fill["serving_s"] > 0 and fill["copy_s"] >= 0
+    # it serves what the kept run held at its end, at the low watermark of the fakes' capacity
+    assert 0 < fill["blocks"] == r["memory"]["blocks"] <= first["results"]["status"]["blocks"]
+    replicas = r["metaserver"]["replicas"]
+    assert r["capacity_per_server"] == math.ceil(fill["blocks"] * r["block_footprint_bytes"] * replicas / 4 / 0.8)
+    assert list(r["phases"]) == ["steady", "lifecycle", "writes", "eviction", "repair"]  # no fill
+    for phase in r["phases"].values():
+        assert len(phase["lookups"]) == 4 and all(s["count"] > 0 and s["wrong"] == 0 and s["errors"] == {}
+                                                  for s in phase["lookups"].values())
+    assert r["phases"]["eviction"]["status_change"]["evicted_blocks"] > 0
+    assert r["answers"]["wrong"] == r["answers"]["errors"] == 0 < r["answers"]["lookups"]
+    assert "error" not in r["restart"] and r["restart"]["matched"] == 2000
+    assert "no fill: the database of" in stdout and "0 wrong answers" in stdout
+    assert _files(kept / "metaserver") == before  # the run changed its copy only
+    saved = json.loads((tmp_path / "again" / "bench-meta.json").read_text())  # and its copy can be reused again
+    assert saved == json.loads((kept / "bench-meta.json").read_text()) and len(saved["chains"]) == 4
+
+
+def test_meta_bench_refuses_to_reuse_a_folder_no_run_kept(tmp_path):
+    (tmp_path / "metaserver").mkdir()
+    proc = subprocess.run([*BENCH, "meta", "--reuse", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    said = " ".join(proc.stdout.split())  # rich wraps lines at the terminal's width
+    assert proc.returncode == 1 and "holds no bench-meta.json" in said, proc.stdout + proc.stderr
+
+
+def test_meta_bench_report_shape(kept_meta_run):
+    report, stdout, _ = kept_meta_run
     config, r = report["config"], report["results"]
     assert report["bench"] == "meta" and config["blocks"] == 20000 and config["chain"] == 2000 and config["evict"]
     fill = r["fill"]
