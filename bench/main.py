@@ -442,9 +442,10 @@ def _meta_tables(r: dict) -> None:
                           *(f"{s['over'].get(k, '-')} / {busy.get(k, '-')}" for k in ("1ms", "2ms", "5ms")))
     console.print(table)
     if "settle_s" in r:
-        console.print(f"the eviction the fill started was done {r['settle_s']:.1f} s after it; the steady phase began "
-                      f"then" if r["settle_s"] is not None else "the eviction the fill started had not stopped 600 s "
-                      "after it; the steady phase ran beside it")
+        began = "the start on the reused database" if "reused" in fill else "the fill"
+        console.print(f"nothing was evicted for 2 s from {r['settle_s']:.1f} s after {began}; the steady phase began "
+                      f"then" if r["settle_s"] is not None else f"eviction had not stopped 600 s after {began}; the "
+                      "steady phase ran beside it")
     rs = r["restart"]
     table = Table(title="restart on the same data: seconds from SIGTERM to exit, and from start to ...")
     for col in ("exited", "SERVING", f"a {rs['expected']}-block match", "RSS after MB"):
