@@ -28,8 +28,8 @@ store nothing, so what is measured is the metaserver alone. In order:
 A run leaves beside its database (in --data-dir, when kept) the lookup chains'
 keys (SAVED). `reuse` starts instead on a copy of such a run's database, with the
 fakes' capacity set so that what it holds sits at the low watermark, as after a
-fill and its eviction, and goes on from the steady phase: at 10M blocks about 15
-minutes instead of 80, for comparing builds on a store of that size.
+fill and its eviction, and goes on from the steady phase: at 10M blocks 21 minutes
+instead of about 50, for comparing builds on a store of that size.
 
 A probe process times a health Check every 10 ms throughout: per phase, the
 longest the metaserver kept a cheap call waiting, whatever held it up (its
