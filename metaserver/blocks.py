@@ -50,6 +50,12 @@ SLOT_SPAN = 1 << 16  # slots between two prompts' first blocks: room for a promp
 GHOST_TRIM = 256  # ghosts one commit may forget
 REMOVAL_WRITE_S = 20e-6  # BlockTable.removal_write_s before the first slice measured it
 WRITE_COST_WEIGHT = 0.2  # weight of the newest slice in that running mean
+# Blocks an eviction slice removes (where it needs as many) before its deadline may end it. A
+# slice's fixed cost (its read of the index, its row groups rewritten, its batch write) was
+# 0.3-0.4 ms at 10M blocks, so beside lookups (0.5 ms steps) a write's slices removed 1.1 blocks
+# each, at 0.43 ms a slice; in-process at that deadline, 0.22-0.28 ms a block, and with this
+# floor 0.14-0.19 (4.7 blocks a slice of 0.6-0.9 ms).
+MIN_EVICT_SLICE = 4
 
 
 def slot_bytes(length: int) -> int:
@@ -874,8 +880,8 @@ class BlockTable:
               deadline: float | None = None) -> tuple[int, list[meta_pb2.StoredChunk]]:
         """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
         are freed or `limit` blocks went, or (with `deadline`, a perf_counter time)
-        time is up, one block at least (or 64 candidates looked at). Blocks in `pinned`, their ancestors and
-        blocks hit since the last flush stay. With `tenant`, only that tenant's
+        time is up, MIN_EVICT_SLICE blocks at least (or 64 candidates looked at).
+        Blocks in `pinned`, their ancestors and blocks hit since the last flush stay. With `tenant`, only that tenant's
         blocks go, taken from its own index (under arc, its recent segment first).
         Returns (blocks, their chunks)."""
         if tenant is None and self._frequent_first():
@@ -928,7 +934,7 @@ class BlockTable:
             # out of time once a block went, or once many candidates could not go (hit, pinned): those
             # stay at the front of the index until their hits are flushed, and are not to be read again
             # and again within one slice
-            if deadline is not None and (staged.removed or examined >= 64) and \
+            if deadline is not None and (len(staged.removed) >= MIN_EVICT_SLICE or examined >= 64) and \
                     time.perf_counter() + len(staged.removed) * self.removal_write_s > deadline:
                 break
             examined += 1
