@@ -881,9 +881,9 @@ class BlockTable:
         """Evicts leaves, lowest rank first, each before its parent, until `nbytes`
         are freed or `limit` blocks went, or (with `deadline`, a perf_counter time)
         time is up, MIN_EVICT_SLICE blocks at least (or 64 candidates looked at).
-        Blocks in `pinned`, their ancestors and blocks hit since the last flush stay. With `tenant`, only that tenant's
-        blocks go, taken from its own index (under arc, its recent segment first).
-        Returns (blocks, their chunks)."""
+        Blocks in `pinned`, their ancestors and blocks hit since the last flush stay.
+        With `tenant`, only that tenant's blocks go, taken from its own index (under
+        arc, its recent segment first). Returns (blocks, their chunks)."""
         if tenant is None and self._frequent_first():
             n, chunks, freed = self._evict(FREQUENT_VICTIMS, nbytes, pinned, limit, None, deadline)
             if freed >= nbytes or n >= limit or (n and deadline is not None and time.perf_counter() > deadline):
@@ -931,9 +931,9 @@ class BlockTable:
         became: set[bytes] = set()  # those parents (their entries are in the batch, not the database yet)
         examined = 0
         while freed < nbytes and len(staged.removed) < limit:
-            # out of time once a block went, or once many candidates could not go (hit, pinned): those
-            # stay at the front of the index until their hits are flushed, and are not to be read again
-            # and again within one slice
+            # out of time once MIN_EVICT_SLICE blocks went, or once many candidates could not go (hit,
+            # pinned): those stay at the front of the index until their hits are flushed, and are not
+            # to be read again and again within one slice
             if deadline is not None and (len(staged.removed) >= MIN_EVICT_SLICE or examined >= 64) and \
                     time.perf_counter() + len(staged.removed) * self.removal_write_s > deadline:
                 break
