@@ -94,13 +94,20 @@ def test_a_write_past_the_high_watermark_evicts_old_leaves_first_down_to_the_low
     assert state.match(NS.digest, conversation(9)).matched == 8
 
 
-def test_a_slice_out_of_time_still_removes_a_few_blocks_and_the_next_slices_go_on(make_state):
+def past_the_high_watermark(make_state):
+    """A state with 40 blocks cached: ten conversations, 44 blocks, the last write passed
+    the high watermark (43.2) and evicted 4."""
     clock = Clock()
     state = make_state(clock)
-    for i in range(10):  # 44 blocks: the last write passes the high watermark (43.2) and evicts 4
+    for i in range(10):
         clock.now = 1000 + i
         write(state, conversation(i))
     assert state.evicted_blocks == 4 and state.cache_bytes == 40 * BLOCK
+    return state
+
+
+def test_a_slice_out_of_time_still_removes_a_few_blocks_and_the_next_slices_go_on(make_state):
+    state = past_the_high_watermark(make_state)
     # a deadline already past: each slice removes MIN_EVICT_SLICE blocks all the same (its fixed
     # cost paid for more than one), the least recently used leaves first
     slices = [state._evict(10 * BLOCK, frozenset(), 64, deadline=0.0) for _ in range(2)]
@@ -113,11 +120,7 @@ def test_a_slice_out_of_time_still_removes_a_few_blocks_and_the_next_slices_go_o
 
 
 def test_a_background_slice_out_of_time_takes_what_it_needs_up_to_the_floor(make_state):
-    clock = Clock()
-    state = make_state(clock)
-    for i in range(10):  # as above: 40 blocks cached after the write that passed the high watermark
-        clock.now = 1000 + i
-        write(state, conversation(i))
+    state = past_the_high_watermark(make_state)
     slices = []
     while n := state.evict_slice(limit=64, seconds=-1.0):  # a deadline already past
         slices.append(n)
@@ -128,12 +131,7 @@ def test_a_background_slice_out_of_time_takes_what_it_needs_up_to_the_floor(make
 
 
 def test_a_slice_stops_removing_while_its_batch_write_can_still_end_by_its_deadline(make_state):
-    clock = Clock()
-    state = make_state(clock)
-    for i in range(10):  # as above: 40 blocks cached after the write that passed the high watermark
-        clock.now = 1000 + i
-        write(state, conversation(i))
-    assert state.cache_bytes == 40 * BLOCK
+    state = past_the_high_watermark(make_state)
     state.blocks.removal_write_s = 10.0  # each removal's share of the slice's write, as if measured
     # time for the removals, not for such a write: past the floor, no more
     slices = [state._evict(10 * BLOCK, frozenset(), 64, deadline=time.perf_counter() + 5.0) for _ in range(2)]
