@@ -314,9 +314,11 @@ def _meta(args) -> int:
     from .meta import BenchAborted, MetaBenchConfig, config_dict, load_saved, parse_count, run_meta
 
     sizes = {"blocks": parse_count(args.blocks), "chain": args.chain, "servers": args.servers}
+    saved = None
     if args.reuse:
         try:
-            sizes = load_saved(args.reuse)["config"]  # the reused run's
+            saved = load_saved(args.reuse)
+            sizes = saved["config"]  # the reused run's
         except BenchAborted as err:
             console.print(f"kvfs-bench meta: --reuse {args.reuse}: {err}", markup=False, highlight=False)
             return 1
@@ -338,7 +340,7 @@ def _meta(args) -> int:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=console, transient=True) as progress:
             try:
-                report = asyncio.run(run_meta(root, cfg, log=console.print, progress=progress))
+                report = asyncio.run(run_meta(root, cfg, log=console.print, progress=progress, saved=saved))
             except BenchAborted as err:
                 console.print(f"kvfs-bench meta aborted: {err}", markup=False, highlight=False)
                 return 1

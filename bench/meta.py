@@ -392,9 +392,11 @@ class Sampler:
                 for t in self.targets}
 
 
-async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress=None) -> dict:
-    """The whole bench; `progress` is a rich Progress for the fill (optional)."""
-    run = _Run(root, cfg, log, progress)
+async def run_meta(root: pathlib.Path, cfg: MetaBenchConfig, log=print, progress=None,
+                   saved: dict | None = None) -> dict:
+    """The whole bench; `progress` is a rich Progress for the fill (optional); `saved`:
+    load_saved(cfg.reuse) where the caller read it already."""
+    run = _Run(root, cfg, log, progress, saved)
     try:
         return await run.run()
     finally:
@@ -442,8 +444,9 @@ def stall_sites(lines: list[str], n: int = 5) -> list[tuple[str, int]]:
 
 
 class _Run:
-    def __init__(self, root: pathlib.Path, cfg: MetaBenchConfig, log, progress):
+    def __init__(self, root: pathlib.Path, cfg: MetaBenchConfig, log, progress, saved: dict | None = None):
         self.root, self.cfg, self.log, self.progress = root, cfg, log, progress
+        self.saved = saved
         self.data_dir = root / "metaserver"
         self.meta: ServerProcess | None = None
         self.fakes: FakeChunkservers | None = None
@@ -531,7 +534,7 @@ class _Run:
                                f"the database it reuses")
         if self.data_dir.exists():
             raise BenchAborted(f"{self.data_dir} already holds a metaserver's data; reuse copies into an empty folder")
-        saved = load_saved(source)
+        saved = self.saved or load_saved(source)
         t0 = time.monotonic()
         shutil.copytree(source / "metaserver", self.data_dir, ignore=shutil.ignore_patterns("LOG.old.*"))
         shutil.copyfile(source / SAVED, self.root / SAVED)
