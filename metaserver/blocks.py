@@ -51,11 +51,13 @@ GHOST_TRIM = 256  # ghosts one commit may forget
 REMOVAL_WRITE_S = 20e-6  # BlockTable.removal_write_s before the first slice measured it
 WRITE_COST_WEIGHT = 0.2  # weight of the newest slice in that running mean
 # Blocks an eviction slice removes (where it needs as many) before its deadline may end it. A
-# slice's fixed cost (its read of the index, its row groups rewritten, its batch write) was
-# 0.3-0.4 ms at 10M blocks, so beside lookups (0.5 ms steps) a write's slices removed 1.1 blocks
-# each, at 0.43 ms a slice; in-process at that deadline, 0.22-0.28 ms a block, and with this
-# floor 0.14-0.19 (4.7 blocks a slice of 0.6-0.9 ms).
-MIN_EVICT_SLICE = 4
+# slice's fixed cost (its read of the index, its row groups rewritten, its batch write) is
+# 0.3-0.4 ms at 10M blocks, so beside lookups (0.5 ms steps) a write's slices remove about one
+# block each. A floor of 4 evicted faster (in-process 0.14-0.19 ms a block against 0.22-0.28; in
+# `kvfs-bench meta --reuse` at 10M an eviction phase of 468-588 s against 687-861) but made the
+# allocations' steps longer, and lookups wait behind those: the 2,000-block hit's p99 there was
+# 6.0-7.6 ms in three runs against 5.4-6.1 in four with one block (docs/operations.md).
+MIN_EVICT_SLICE = 1
 
 
 def slot_bytes(length: int) -> int:

@@ -106,39 +106,31 @@ def past_the_high_watermark(make_state):
     return state
 
 
-def test_a_slice_out_of_time_still_removes_a_few_blocks_and_the_next_slices_go_on(make_state):
-    state = past_the_high_watermark(make_state)
-    # a deadline already past: each slice removes MIN_EVICT_SLICE blocks all the same (its fixed
-    # cost paid for more than one), the least recently used leaves first
-    slices = [state._evict(10 * BLOCK, frozenset(), 64, deadline=0.0) for _ in range(2)]
-    assert slices == [MIN_EVICT_SLICE] * 2 == [4, 4] and state.cache_bytes == 32 * BLOCK
-    assert cached(state, conversation(1)) == cached(state, conversation(2)) == [True] * 4 + [False] * 4
-    assert cached(state, conversation(3)) == [True] * 8
-    assert_consistent(state)
-    # under the low watermark (38.4): the background pass has nothing to do, in time or out of it
-    assert state.evict_slice(limit=64, seconds=-1.0) == 0 and state.evict_slice(limit=64, seconds=10.0) == 0
-
-
-def test_a_background_slice_out_of_time_takes_what_it_needs_up_to_the_floor(make_state):
+def test_a_background_slice_out_of_time_stops_after_one_block_and_the_next_slices_go_on(make_state):
     state = past_the_high_watermark(make_state)
     slices = []
     while n := state.evict_slice(limit=64, seconds=-1.0):  # a deadline already past
         slices.append(n)
-    # 2 blocks down to the low watermark (38.4), fewer than the floor: one slice
-    assert slices == [2] and state.cache_bytes == 38 * BLOCK
+    # MIN_EVICT_SLICE (one) block a slice, the least recently used leaves first, down to the low
+    # watermark (38.4)
+    assert slices == [MIN_EVICT_SLICE] * 2 == [1, 1] and state.cache_bytes == 38 * BLOCK
+    assert cached(state, conversation(0)) == [True] * 4 + [False] * 4
     assert cached(state, conversation(1)) == [True] * 6 + [False] * 2
     assert_consistent(state)
+    # with time to spare, the count bounds a slice: nothing left above the low mark
+    assert state.evict_slice(limit=64, seconds=10.0) == 0
 
 
 def test_a_slice_stops_removing_while_its_batch_write_can_still_end_by_its_deadline(make_state):
     state = past_the_high_watermark(make_state)
     state.blocks.removal_write_s = 10.0  # each removal's share of the slice's write, as if measured
-    # time for the removals, not for such a write: past the floor, no more
-    slices = [state._evict(10 * BLOCK, frozenset(), 64, deadline=time.perf_counter() + 5.0) for _ in range(2)]
-    assert slices == [MIN_EVICT_SLICE] * 2 and state.cache_bytes == 32 * BLOCK
+    slices = []
+    while n := state.evict_slice(limit=64, seconds=5.0):  # time for the removals, not for such a write
+        slices.append(n)
+    assert slices == [1, 1] and state.cache_bytes == 38 * BLOCK  # one block a slice, as if out of time
     # each slice timed its write, and the estimate moved towards what it took
     assert state.blocks.removal_write_s < 10.0 * (1 - 0.2) ** 2 + 0.01
-    # with time for the estimated write too, the need bounds a slice: the last 2 blocks asked for
+    # with time for the estimated write too, the need bounds a slice: the 2 blocks asked for
     assert state._evict(2 * BLOCK, frozenset(), 64, deadline=time.perf_counter() + 60.0) == 2
     assert_consistent(state)
 
