@@ -3,6 +3,7 @@ for lookups under way, boundedly, and leave more turns of the loop while lookups
 coming; CountsLookups counts a real grpc.aio server's calls in and out."""
 
 import asyncio
+import gc
 import time
 
 import grpc
@@ -162,6 +163,53 @@ async def test_counts_lookups_counts_a_real_servers_calls_of_its_method_in_and_o
     clock.now += readsfirst.ARRIVING_STALE * 1.5
     assert reads.under_way() == 0
 
+
+
+async def test_counting_lookups_out_leaves_the_garbage_collector_nothing_more_to_free():
+    """CountsLookups counts a call out without a reference cycle of its own: calls of its
+    method leave no more cyclic garbage than calls of another method on the same server
+    (a callback on the call's context, as before, left 9 objects more a call)."""
+    reads = ReadsFirst()
+
+    async def handler(request, context):
+        return b"ok"
+
+    handlers = {"Lookup": grpc.unary_unary_rpc_method_handler(handler),
+                "Other": grpc.unary_unary_rpc_method_handler(handler)}
+    server = grpc.aio.server(interceptors=[CountsLookups(reads, "/t.S/Lookup")])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.S", handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    loop = asyncio.get_running_loop()
+
+    async def cyclic_garbage_a_call(call, n=300) -> float:
+        for _ in range(20):  # the channel and the server warmed up
+            await call(b"x", timeout=10)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, to count
+        try:
+            for _ in range(n):
+                assert await call(b"x", timeout=10) == b"ok"
+            deadline = loop.time() + 10
+            while reads._under_way and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            gc.collect()
+            return len(gc.garbage) / n
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            other = await cyclic_garbage_a_call(ch.unary_unary("/t.S/Other"))
+            counted = await cyclic_garbage_a_call(ch.unary_unary("/t.S/Lookup"))
+    finally:
+        await server.stop(None)
+    assert not reads._under_way and not reads._arriving  # every lookup counted out
+    assert other > 0  # grpc.aio's own (5 objects a call on the server)
+    assert counted < other + 1
 
 async def test_while_lookups_keep_coming_eight_writers_steps_leave_the_turns_between_them_to_lookups():
     """Spacing each writer's own steps is not enough: the gate would pass the turns
