@@ -182,7 +182,7 @@ class CountsLookups(grpc.aio.ServerInterceptor):
     a call, beside the 5 of every grpc.aio call, that only the garbage collector frees.
     Under `kvfs-bench meta` they were most of the metaserver's cyclic garbage, and the
     collector runs each time 700 more objects were allocated than freed: they set how
-    often it ran (its middle generation's collections took up to 6 ms, inside steps and
+    often it ran (its middle generation's collections took up to 9 ms, inside steps and
     lookups). A task's callbacks are dropped once called: no cycle."""
 
     def __init__(self, reads: ReadsFirst, method: str):

@@ -164,7 +164,6 @@ async def test_counts_lookups_counts_a_real_servers_calls_of_its_method_in_and_o
     assert reads.under_way() == 0
 
 
-
 async def test_counting_lookups_out_leaves_the_garbage_collector_nothing_more_to_free():
     """CountsLookups counts a call out without a reference cycle of its own: calls of its
     method leave no more cyclic garbage than calls of another method on the same server
