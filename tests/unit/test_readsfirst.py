@@ -210,6 +210,7 @@ async def test_counting_lookups_out_leaves_the_garbage_collector_nothing_more_to
     assert other > 0  # grpc.aio's own (5 objects a call on the server)
     assert counted < other + 1
 
+
 async def test_while_lookups_keep_coming_eight_writers_steps_leave_the_turns_between_them_to_lookups():
     """Spacing each writer's own steps is not enough: the gate would pass the turns
     after one writer's step to the next writer's."""
