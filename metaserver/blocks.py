@@ -623,12 +623,17 @@ class BlockTable:
         page-cache pages nothing touched for a minute, and the ghost index and
         eviction's victims are the coldest the metaserver reads: 54-80 ms stalls of
         the loop in such reads at 10M blocks, docs/operations.md). Answers nothing and
-        changes nothing; returns how many keys it asked for."""
+        changes nothing; returns how many keys it asked for. Never raises: a read that
+        fails is logged, and the loop's own reads meet the error if it lasts."""
         asked = list(fulls) + list(parents)
-        self.rows(asked)
-        if self.ranks.remembers and fulls:
-            self.db.db.get([GHOST + f for f in fulls])
-            asked += fulls
+        try:
+            self.rows(asked)
+            if self.ranks.remembers and fulls:
+                self.db.db.get([GHOST + f for f in fulls])
+                asked += fulls
+        except Exception as err:
+            log.warning("a read ahead of %d rows failed: %s", len(asked), err)
+            return 0
         return len(asked)
 
     def victims_to_warm(self) -> list[bytes]:

@@ -95,6 +95,15 @@ def test_a_warm_up_changes_nothing_and_asks_only_for_what_the_policy_reads(make_
     assert everything(state) == before
 
 
+def test_a_warm_up_that_fails_is_logged_and_raises_nothing(make_state, caplog):
+    state = make_state()
+    keys = block_keys(NS, range(4 * 4), 4)
+    write(state, keys)
+    state.close()  # every read now fails
+    assert state.blocks.warm([NS.digest + k for k in keys]) == 0
+    assert "a read ahead of 4 rows failed" in caplog.text
+
+
 @pytest.fixture
 def evicting_state(make_state, monkeypatch):
     """A state past its high watermark, ten prompts of four blocks each, and warm-ups
