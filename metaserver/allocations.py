@@ -472,9 +472,7 @@ class Allocations:
             # should capacity have shrunk since, the background pass evicts, not a commit.
             committed, garbage, i, last = 0, [], 0, False
             while not last:
-                # the piece's reads made first off the loop (BlockTable.warm), which then finds them cached;
-                # its size is decided after (should lookups have stopped meanwhile, the rest is read cold)
-                yield self._warmup(namespace_digest, blocks[i : i + self.piece_blocks()], of)
+                yield
                 n = self.piece_blocks()
                 last = i + n >= len(blocks)
                 piece, piece_garbage = blocks[i : i + n], []
@@ -499,14 +497,6 @@ class Allocations:
             alloc.committing = False
             if deferred is not None:  # cut short before its child's piece (an error, the call cancelled)
                 self.blocks.leaf_if_childless(deferred)
-
-    def _warmup(self, namespace_digest: bytes, blocks, of: _Allocated) -> OffLoop:
-        """The read ahead of a commit piece of `blocks` (BlockTable.warm): their rows,
-        their ghosts, and the rows of their parents outside the piece."""
-        keys = {b.key for b in blocks}
-        parents = {p for b in blocks if (p := of.parent(b.key)) and p not in keys}
-        return OffLoop(self.blocks.warm, ([namespace_digest + b.key for b in blocks],
-                                          [namespace_digest + p for p in parents]))
 
     def _close_settled(self, alloc_id: bytes, alloc: Allocation) -> None:
         """Forgets an allocation its commit settled every key of. Should it have expired

@@ -58,9 +58,6 @@ WRITE_COST_WEIGHT = 0.2  # weight of the newest slice in that running mean
 # allocations' steps longer, and lookups wait behind those: the 2,000-block hit's p99 there was
 # 6.0-7.6 ms in three runs against 5.4-6.1 in four with one block (docs/operations.md).
 MIN_EVICT_SLICE = 1
-# Eviction index entries whose blocks' rows one warm-up (BlockTable.victims_to_warm) reads ahead of
-# eviction, off the event loop; the next warm-up comes once eviction has taken about half of them
-WARM_VICTIMS = 64
 
 
 def slot_bytes(length: int) -> int:
@@ -324,9 +321,6 @@ class BlockTable:
         self.victim_floor, self.expiry_floor, self.ghost_floor = VICTIM, EXPIRY, GHOST_ORDER
         # the same, per tenant index evicted from and for arc's frequent segment
         self.index_floors: dict[bytes, bytes] = {FREQUENT_VICTIMS: FREQUENT_VICTIMS}
-        # the eviction index's warm-ups (victims_to_warm): where the next one's scan begins, and
-        # the entry whose passing (by victim_floor) calls for it
-        self.warm_from, self.warm_again = VICTIM, VICTIM
         self.hits = PendingHits()  # since the last flush, a run of blocks an entry
         self.stranded: deque[bytes] = deque()  # removed blocks whose children are still to be dropped
         self.expired = self.evicted = self.stranded_dropped = self.lost = self.replicas_lost = 0
@@ -610,48 +604,6 @@ class BlockTable:
         self.ranks.stage(batch)  # arc's segment sizes moved with the ranks
         self.db.write(batch)
         return blocks
-
-    # ---- warm-ups -------------------------------------------------------
-
-    def warm(self, fulls: list[bytes], parents: list[bytes] = ()) -> int:
-        """Reads into RocksDB's block cache what the event loop is about to read for
-        these blocks: their rows (slot index entries, row groups), their committed
-        `parents`' rows, and their ghosts. Made on the database's reader thread
-        (db.OffLoop) with multi-gets, which let go of the GIL while a page comes from
-        the disk: the same reads made on the loop moments later, single gets among them,
-        would hold the GIL, and every thread, that long (this machine's kernel drops
-        page-cache pages nothing touched for a minute, and the ghost index and
-        eviction's victims are the coldest the metaserver reads: 54-80 ms stalls of
-        the loop in such reads at 10M blocks, docs/operations.md). Answers nothing and
-        changes nothing; returns how many keys it asked for. Never raises: a read that
-        fails is logged, and the loop's own reads meet the error if it lasts."""
-        asked = list(fulls) + list(parents)
-        try:
-            self.rows(asked)
-            if self.ranks.remembers and fulls:
-                self.db.db.get([GHOST + f for f in fulls])
-                asked += fulls
-        except Exception as err:
-            log.warning("a read ahead of %d rows failed: %s", len(asked), err)
-            return 0
-        return len(asked)
-
-    def victims_to_warm(self) -> list[bytes]:
-        """The blocks of the eviction index's next WARM_VICTIMS entries not warmed yet,
-        for warm() before eviction slices, once eviction has passed the middle of the
-        last warm-up's (else none). A scan of the index on the loop: the slices after
-        it read the same entries, and an entry put below where the warm-ups reached (a
-        parent left a leaf, a written block) was just read or written anyway."""
-        if self.victim_floor < self.warm_again:
-            return []
-        start = max(self.victim_floor, self.warm_from)
-        keys = [k for k, _ in self.db.scan(VICTIM, start=start, limit=WARM_VICTIMS)]
-        if not keys:  # nothing past the warm-ups' reach: none until eviction gets there
-            self.warm_again = start
-            return []
-        self.warm_from = keys[-1] + b"\x00"
-        self.warm_again = keys[len(keys) // 2]
-        return [k[-FULL:] for k in keys]
 
     # ---- commit ----------------------------------------------------------
 

@@ -28,7 +28,7 @@ from kvfs.proto import chunk_pb2, chunk_pb2_grpc, meta_pb2
 from kvfs.rpc import CHANNEL_OPTIONS
 
 from . import records
-from .state import MetaState, off_loop
+from .state import MetaState
 
 log = logging.getLogger(__name__)
 
@@ -101,20 +101,14 @@ class Lifecycle:
                     if time.perf_counter() > deadline:
                         break
 
-    async def drain(self, kind: str, step, *args, most: int | None = None, room: bool = False,
-                    warm=None) -> int:
+    async def drain(self, kind: str, step, *args, most: int | None = None, room: bool = False) -> int:
         """Runs `step(*args)` (returning work done) a turn at a time until it does none,
         or, with `most`, until that much is done (work that keeps arriving, such as
         hits, must not keep a pass from the rest of its round), or, with `room`, until
         the delete queue is full (removals wait for the delete pass). The turns are
-        counted under `kind` in the steps' times. `warm`: before each turn, the read
-        to make off the loop first, if any (a db.OffLoop, or None)."""
+        counted under `kind` in the steps' times."""
         total = 0
         while (most is None or total < most) and not (room and self.state.deletes_backed_up()):
-            if warm is not None and (asked := warm()) is not None:
-                _, error = await off_loop(asked, self.state.db.reader)
-                if error is not None:  # the turn's own reads will meet it, if it lasts
-                    log.warning("%s: a read ahead failed: %s", kind, error)
             async with self.turn(kind):
                 n = step(*args)
             if not n:
@@ -255,7 +249,7 @@ class Lifecycle:
             n_allocs, abandoned = self.state.expire_allocations()
             self.queue_deletes(abandoned)
             # capacity may have shrunk (a server left) since the last write
-            await self.drain("evict", self._evict_slice, room=True, warm=self.state.evict_warmup)
+            await self.drain("evict", self._evict_slice, room=True)
             if orphans:
                 for sid in list(self.state.live_servers()):
                     await self._collect_orphans(sid)
@@ -286,7 +280,7 @@ class Lifecycle:
                 self.state.flush_usage()
                 await self.drain("stranded", self.state.stranded_slice, SLICE)
                 self.state.refresh_liveness()
-                evicted = await self.drain("evict", self._evict_slice, room=True, warm=self.state.evict_warmup)
+                evicted = await self.drain("evict", self._evict_slice, room=True)
                 # a full delete queue stops eviction until a delete pass empties it: that pass now,
                 # not at the next lifecycle round (eviction waited up to lifecycle_interval for it)
                 if (evicted or self.state.deletes_backed_up()) and not self._deleting.locked():

@@ -62,11 +62,6 @@ def _answer(fn, args) -> tuple:
         return None, err
 
 
-async def off_loop(asked: OffLoop, reader: Executor | None) -> tuple:
-    """(asked.fn(*asked.args), None), or (None, the error it raised), made on `reader`."""
-    return await asyncio.get_running_loop().run_in_executor(reader, _answer, asked.fn, asked.args)
-
-
 @contextlib.asynccontextmanager
 async def step_slot(gate: asyncio.Lock, reads: ReadsFirst, kind: str):
     """Holds `gate`, the event loop's one step slot, for a step of synchronous work
@@ -100,6 +95,7 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, kind: st
     `gate` (step_slot) and counted under `kind`. A read a step asks for (db.OffLoop)
     is made on `reader` (None: the loop's default executor) without the gate: other
     writers' steps go on meanwhile."""
+    loop = asyncio.get_running_loop()
     answer, error = None, None
     while True:
         async with step_slot(gate, reads, kind):
@@ -108,7 +104,7 @@ async def run_steps_async(steps, gate: asyncio.Lock, reads: ReadsFirst, kind: st
             except StopIteration as done:
                 return done.value
         if isinstance(asked, OffLoop):
-            answer, error = await off_loop(asked, reader)
+            answer, error = await loop.run_in_executor(reader, _answer, asked.fn, asked.args)
         else:
             answer, error = None, None
             await asyncio.sleep(0)
@@ -279,9 +275,7 @@ class MetaState:
         capacity, before = self.capacity_bytes(), self.blocks.cache_bytes
         evicted = freed = 0
         while evicted < limit and freed < incoming:
-            if (warm := self.evict_warmup()) is not None:
-                yield warm
-            elif evicted:
+            if evicted:
                 yield  # other writers commit meanwhile: what this write freed is counted per slice
             step = min(EVICT_SLICE, limit - evicted)
             was = self.blocks.cache_bytes
@@ -439,12 +433,6 @@ class MetaState:
         before = self.blocks.stranded_dropped
         self.queue_deletes(self.blocks.drop_stranded(limit))
         return self.blocks.stranded_dropped - before
-
-    def evict_warmup(self) -> OffLoop | None:
-        """The read, off the event loop, of the next victims' rows before eviction
-        slices (BlockTable.warm), when one is due; else None."""
-        victims = self.blocks.victims_to_warm()
-        return OffLoop(self.blocks.warm, (victims,)) if victims else None
 
     def evict_slice(self, limit: int = 64, seconds: float | None = None) -> int:
         """Background eviction: once past the high watermark, down to the low one, a
