@@ -455,6 +455,7 @@ class _Run:
         self.stub = None
         self.windows: dict[str, tuple[float, float]] = {}
         self.phases: dict[str, dict] = {}
+        self._phase_end = None  # the Status read at the end of the last phase
         self.chains: dict[int, list[bytes]] = {}  # the lookup chains' keys
         self.first_chunk: dict[bytes, bytes] = {}  # their blocks' first chunks' ids
 
@@ -572,12 +573,14 @@ class _Run:
             await asyncio.sleep(every)
 
     @contextlib.asynccontextmanager
-    async def _phase(self, name: str):
+    async def _phase(self, name: str, before=None):
         """Times a phase for the probe and records what Status counters did meanwhile,
         and the share of it the metaserver's event loop and this bench's (the lookups')
         spent on a CPU and waiting for one: on this machine's few cores the writers,
-        fakes and probe compete with both."""
-        before = await self._status()
+        fakes and probe compete with both. Counters count from `before`, a Status read
+        earlier, where given: the one that ended the last phase, so that what the
+        metaserver did between two phases (say, evicting) is lost in neither."""
+        before = before or await self._status()
         entry = self.phases[name] = {}
         threads = {"metaserver_loop": self.meta.pid, "bench_loop": os.getpid()}
         times0 = {k: _main_thread_times(pid) for k, pid in threads.items()}
@@ -592,7 +595,7 @@ class _Run:
                 if times0[k] is not None and t1 is not None and seconds > 0:
                     entry[k] = {"on_cpu": (t1[0] - times0[k][0]) / seconds,
                                 "waiting_for_a_core": (t1[1] - times0[k][1]) / seconds}
-            after = await self._status()
+            after = self._phase_end = await self._status()
             if before is not None and after is not None:
                 entry["status_change"] = {k: getattr(after, k) - getattr(before, k) for k in STATUS_COUNTERS}
                 entry["loop_stalls"] = {f"{a.over_s * 1e3:.0f}ms": {"count": a.count - b.count,
@@ -748,13 +751,13 @@ class _Run:
 
         try:
             watcher = asyncio.create_task(watch())
-            async with self._phase("writes") as p:
+            async with self._phase("writes", before) as p:  # counted from before the writers started
                 p["lookups"] = await writes_sampler.run(keep_going=lambda: not began.is_set(), at_least=1)
                 p["writes"] = {"blocks": at_first_eviction.get("committed", written.get("committed", 0)),
                                "writer": "own process"}
             if not at_first_eviction:
                 self.log("the writers ended before the metaserver evicted: nothing measured under eviction")
-            async with self._phase("eviction") as p:
+            async with self._phase("eviction", self._phase_end) as p:
                 p["lookups"] = await eviction_sampler.run(keep_going=lambda: not watcher.done())
                 await watcher
                 deleted = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0

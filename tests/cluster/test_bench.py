@@ -286,7 +286,8 @@ def test_meta_bench_report_shape(kept_meta_run):
     before_eviction = r["phases"]["writes"]["writes"]["blocks"]
     evicted = r["phases"]["eviction"]["status_change"]["evicted_blocks"]  # the fakes' capacity made it evict
     writes = r["phases"]["eviction"]["writes"]  # from the writer process, its counts sent back
-    # a twentieth of the fill evicted in the two (the writes phase ends at most 0.2 s after the first eviction)
+    # a twentieth of the fill evicted in the two (the writes phase ends at most 0.2 s after the first eviction;
+    # their counters run from a Status read before the writers started to one after, so none are lost between)
     assert writes["least_evicted"] == 1000 and evicted > 0
     assert evicted + r["phases"]["writes"]["status_change"]["evicted_blocks"] >= 1000 and writes["blocks"] > 0
     assert 0 <= before_eviction and before_eviction + writes["blocks"] <= 6000  # the writers' 3 chains, counted once
