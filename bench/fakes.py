@@ -69,6 +69,8 @@ class Child:
         return answer
 
     def kill(self) -> None:
+        if self.proc.pid is None:  # never started
+            return
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)

@@ -455,7 +455,7 @@ class _Run:
         self.stub = None
         self.windows: dict[str, tuple[float, float]] = {}
         self.phases: dict[str, dict] = {}
-        self._phase_end = None  # the Status read at the end of the last phase
+        self._phase_start = self._phase_end = None  # the Status reads that began and ended the last phase
         self.chains: dict[int, list[bytes]] = {}  # the lookup chains' keys
         self.first_chunk: dict[bytes, bytes] = {}  # their blocks' first chunks' ids
 
@@ -573,14 +573,14 @@ class _Run:
             await asyncio.sleep(every)
 
     @contextlib.asynccontextmanager
-    async def _phase(self, name: str, before=None):
+    async def _phase(self, name: str, follows: bool = False):
         """Times a phase for the probe and records what Status counters did meanwhile,
         and the share of it the metaserver's event loop and this bench's (the lookups')
         spent on a CPU and waiting for one: on this machine's few cores the writers,
-        fakes and probe compete with both. Counters count from `before`, a Status read
-        earlier, where given: the one that ended the last phase, so that what the
-        metaserver did between two phases (say, evicting) is lost in neither."""
-        before = before or await self._status()
+        fakes and probe compete with both. A phase that `follows` the last one counts
+        from the Status read that ended it, so that what the metaserver did between
+        the two (say, evicting) is lost in neither. That Status is `_phase_start`."""
+        before = self._phase_start = self._phase_end if follows else await self._status()
         entry = self.phases[name] = {}
         threads = {"metaserver_loop": self.meta.pid, "bench_loop": os.getpid()}
         times0 = {k: _main_thread_times(pid) for k, pid in threads.items()}
@@ -721,15 +721,13 @@ class _Run:
         eviction is still running (_settle gave up), "writes" ends at once. `sampler()`
         makes a phase's Sampler."""
         cfg = self.cfg
-        before = await self._status()
-        evicted0 = before.evicted_blocks if before is not None else 0
+        evicted0 = 0  # the metaserver's count before the writers started (read in the writes phase)
         deleted0 = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0)
         # enough for both: the room up to the high watermark, then what is evicted
         lengths = [cfg.chain] * max(1, cfg.blocks * 3 // 10 // cfg.chain)
         least = max(1, min(cfg.blocks // EVICTION_SHARE, EVICTION_BLOCKS))
         writes_sampler, eviction_sampler = sampler(), sampler()
-        writers = await asyncio.to_thread(WriterProcess(self.meta.address, lengths, cfg.clients, cfg.deadline,
-                                                        nice=cfg.load_nice).start)
+        writers = WriterProcess(self.meta.address, lengths, cfg.clients, cfg.deadline, nice=cfg.load_nice)
         began = asyncio.Event()  # the metaserver evicted since the writers started
         at_first_eviction: dict = {}  # the writers' counts then
         written: dict = {}
@@ -750,14 +748,17 @@ class _Run:
                     return
 
         try:
-            watcher = asyncio.create_task(watch())
-            async with self._phase("writes", before) as p:  # counted from before the writers started
+            async with self._phase("writes") as p:  # from before the writers start: no eviction outside the two
+                if self._phase_start is not None:
+                    evicted0 = self._phase_start.evicted_blocks
+                await asyncio.to_thread(writers.start)
+                watcher = asyncio.create_task(watch())
                 p["lookups"] = await writes_sampler.run(keep_going=lambda: not began.is_set(), at_least=1)
                 p["writes"] = {"blocks": at_first_eviction.get("committed", written.get("committed", 0)),
                                "writer": "own process"}
             if not at_first_eviction:
                 self.log("the writers ended before the metaserver evicted: nothing measured under eviction")
-            async with self._phase("eviction", self._phase_end) as p:
+            async with self._phase("eviction", follows=True) as p:
                 p["lookups"] = await eviction_sampler.run(keep_going=lambda: not watcher.done())
                 await watcher
                 deleted = (await asyncio.to_thread(self.fakes.counts)).get("deleted", 0) > deleted0
