@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import pathlib
+import resource
 import signal
 import sys
 import threading
@@ -209,7 +210,11 @@ class StallSampler:
     `keep_over` (the stalls worth a log line) and dropped otherwise, so that a
     stall's log line says where the loop was, not only how long. It needs the GIL
     to look: a stall inside one long C call is seen at the Python frame that made
-    it, once the call lets go. Start it on the loop's thread."""
+    it, once the call lets go. Each sample also notes the thread's state as the
+    kernel sees it (/proc): "[R]" running or runnable, "[D: fn]" or "[S: fn]" waiting in
+    the kernel function `fn` (its wchan: the disk, a page fault, a lock), so that a
+    stall in a C call that let go of the GIL says what the call waited for. Start it on
+    the loop's thread."""
 
     FRAMES = 3  # of our code, innermost first, per site
 
@@ -217,6 +222,7 @@ class StallSampler:
                  keep_over: float = STALL_BOUNDS[1]):
         self.stats, self.after, self.every, self.keep_over = stats, after, every, keep_over
         self.loop_thread = threading.get_ident()
+        self._proc = f"/proc/self/task/{threading.get_native_id()}/"
         self._sites: collections.Counter[str] = collections.Counter()
         self._held_since: float | None = None  # stats.last_tick of the stall being sampled
         self._held: list[str] = []  # its samples
@@ -243,7 +249,7 @@ class StallSampler:
                     continue
             frame = sys._current_frames().get(self.loop_thread)
             if frame is not None:
-                site = self.site(frame)
+                site = self.site(frame) + self.kernel_state()
                 with self._lock:
                     if self._held_since in (None, last):
                         self._held_since = last
@@ -257,6 +263,20 @@ class StallSampler:
         if last - self._held_since - self.stats.tick > self.keep_over:
             self._sites.update(self._held)
         self._held_since, self._held = None, []
+
+    def kernel_state(self) -> str:
+        """The loop thread's state now, as a suffix to its site: " [R]", " [D: fn]"
+        (waiting in the kernel function fn), "" where /proc does not say."""
+        try:
+            with open(self._proc + "stat", "rb") as fh:
+                state = fh.read().rpartition(b")")[2].split()[0].decode()
+            if state == "R":
+                return " [R]"
+            with open(self._proc + "wchan", "rb") as fh:
+                wchan = fh.read().decode(errors="replace").strip()
+        except (OSError, IndexError):
+            return ""
+        return f" [{state}: {wchan}]" if wchan and wchan != "0" else f" [{state}]"
 
     @classmethod
     def site(cls, frame) -> str:
@@ -312,11 +332,18 @@ class RunQueueWait:
             self._fd = None
 
 
+def thread_kernel_time() -> float:
+    """Seconds the calling thread has spent on a CPU in the kernel (system time:
+    page faults, reclaim, syscalls' own work), as Linux accounts it."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
+
+
 async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, threshold: float = 0.1,
                            tick: float = 0.01, sampler: StallSampler | None = None) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
-    that time the loop's thread was on the CPU, how much it waited for a core
+    that time the loop's thread was on the CPU (and of that, in the kernel: page
+    faults and reclaim show here, not in our code), how much it waited for a core
     (runnable, the cores taken by other threads or processes), and how much the
     whole process was on the CPU: the thread most of it, our own code held the
     loop; waiting most of it, the machine's cores were oversubscribed; the process
@@ -334,6 +361,7 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
     try:
         while True:
             t0, thread0, process0, wait0 = time.monotonic(), time.thread_time(), time.process_time(), run_queue()
+            kernel0 = thread_kernel_time()
             await asyncio.sleep(tick)
             now = time.monotonic()
             held = now - t0 - tick
@@ -346,13 +374,14 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
                 if held > worst:
                     worst, thread, process, worst_wait = (held, time.thread_time() - thread0,
                                                           time.process_time() - process0, waited)
+                    kernel = thread_kernel_time() - kernel0
             if count and now - reported >= STALL_REPORT_EVERY:
                 sites = sampler.take() if sampler is not None else []
                 where = "; held at " + ", ".join(f"{site} ({n} samples)" for site, n in sites) if sites else ""
-                log.warning("event loop held up to %.0f ms (meanwhile: %.0f ms this thread on the CPU, %.0f ms "
-                            "waiting for a core, %.0f ms the process on the CPU); %d times over %.0f ms in the "
-                            "last %.0f s%s", 1e3 * worst, 1e3 * thread, 1e3 * worst_wait, 1e3 * process, count,
-                            1e3 * threshold, now - reported, where)
+                log.warning("event loop held up to %.0f ms (meanwhile: %.0f ms this thread on the CPU, %.0f ms of "
+                            "it in the kernel, %.0f ms waiting for a core, %.0f ms the process on the CPU); %d times "
+                            "over %.0f ms in the last %.0f s%s", 1e3 * worst, 1e3 * thread, 1e3 * kernel,
+                            1e3 * worst_wait, 1e3 * process, count, 1e3 * threshold, now - reported, where)
                 worst, count, reported = 0.0, 0, now
     finally:
         run_queue.close()

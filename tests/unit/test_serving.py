@@ -104,6 +104,60 @@ async def test_only_the_stalls_worth_a_line_leave_their_samples():
     assert "hold_the_loop_here" in sites[0][0] and sites[0][1] >= 10, sites
 
 
+def asleep_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.asyncio
+async def test_a_stall_site_says_whether_the_thread_ran_or_waited_in_the_kernel():
+    """A loop held by our own code is sampled running ([R]); one held in a call that
+    let go of the GIL and sleeps in the kernel is sampled waiting there ([S: ...],
+    with the kernel function where /proc names it)."""
+    stats = serving.LoopStats()
+    sampler = serving.StallSampler(stats, after=0.02, every=0.005, keep_over=0.1).start()
+    watcher = asyncio.create_task(serving.watch_event_loop(logging.getLogger("test.watch"), stats, threshold=1.0,
+                                                           tick=0.002))
+    try:
+        await asyncio.sleep(0.05)
+        hold_the_loop_here(0.3)
+        await asyncio.sleep(0.05)
+        asleep_here(0.3)
+        await asyncio.sleep(0.05)
+        sites = dict(sampler.take(10))
+    finally:
+        watcher.cancel()
+        sampler.stop()
+    spun = [s for s in sites if "hold_the_loop_here" in s]
+    slept = [s for s in sites if "asleep_here" in s]
+    assert spun and all(s.endswith(" [R]") for s in spun), sites
+    assert slept and any(s.endswith("]") and " [S" in s for s in slept), sites
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("in_kernel", [True, False])
+async def test_a_stall_line_says_how_much_of_the_threads_cpu_was_in_the_kernel(in_kernel, caplog, monkeypatch):
+    """Touching fresh memory page by page is the kernel's work (page faults, zeroing,
+    unmapping); spinning in Python is not."""
+    monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
+    watcher = asyncio.create_task(serving.watch_event_loop(logging.getLogger("test.watch"), serving.LoopStats(),
+                                                           threshold=0.1))
+    try:
+        await asyncio.sleep(0.05)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            if in_kernel:
+                bytearray(64 << 20)  # 64 MiB mapped, every page zeroed on its first touch, unmapped
+        deadline = time.monotonic() + 5
+        while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        watcher.cancel()
+    (line,) = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    cpu, kernel = line.args[1], line.args[2]
+    assert cpu >= 100, line.getMessage()
+    assert (kernel >= cpu / 2) if in_kernel else (kernel < cpu / 4), line.getMessage()
+
+
 SPIN = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
 
 
@@ -145,7 +199,7 @@ async def test_a_loop_whose_thread_waits_for_a_core_is_told_from_one_its_own_wor
             p.kill()
             p.wait()
     (line,) = [r for r in caplog.records if "event loop held" in r.getMessage()]
-    held, cpu, waited = line.args[0], line.args[1], line.args[2]
+    held, cpu, waited = line.args[0], line.args[1], line.args[3]
     assert held >= 500 and waited >= held / 2 and cpu < 0.8 * held, line.getMessage()
     assert dict(zip(serving.STALL_BOUNDS, stats.over_waiting))[0.1] >= 1
     assert dict(zip(serving.STALL_BOUNDS, stats.over_busy))[0.1] == 0
