@@ -338,12 +338,33 @@ def thread_kernel_time() -> float:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_stime
 
 
+class GcTime:
+    """Seconds the garbage collector has run on one thread (a gc.callbacks entry):
+    a collection runs on whichever thread allocated when a generation filled, and a
+    full one walks every tracked object not frozen (freeze_startup_heap)."""
+
+    def __init__(self, thread: int):
+        self.thread = thread  # threading.get_ident() of the thread counted
+        self.seconds = 0.0
+        self._began: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+
 async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, threshold: float = 0.1,
                            tick: float = 0.01, sampler: StallSampler | None = None) -> None:
     """Logs a warning when the event loop could not run a `tick`-second timer for
     over `threshold` seconds: every RPC waited that long. The line says how much of
     that time the loop's thread was on the CPU (and of that, in the kernel: page
-    faults and reclaim show here, not in our code), how much it waited for a core
+    faults and reclaim show here, not in our code), how much of it the garbage
+    collector ran on it, how much it waited for a core
     (runnable, the cores taken by other threads or processes), and how much the
     whole process was on the CPU: the thread most of it, our own code held the
     loop; waiting most of it, the machine's cores were oversubscribed; the process
@@ -355,13 +376,15 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
     worst, count, reported = 0.0, 0, time.monotonic()
     if stats is not None:
         stats.tick, stats.last_tick = tick, reported
+    collecting = GcTime(threading.get_ident())
+    gc.callbacks.append(collecting)
     run_queue = RunQueueWait()  # opened on the loop's thread: it reads that thread's
     if run_queue() is None:
         log.info("no /proc/thread-self/schedstat: event-loop stalls are not told apart by time waiting for a core")
     try:
         while True:
             t0, thread0, process0, wait0 = time.monotonic(), time.thread_time(), time.process_time(), run_queue()
-            kernel0 = thread_kernel_time()
+            kernel0, gc0 = thread_kernel_time(), collecting.seconds
             await asyncio.sleep(tick)
             now = time.monotonic()
             held = now - t0 - tick
@@ -374,16 +397,18 @@ async def watch_event_loop(log: logging.Logger, stats: LoopStats | None = None, 
                 if held > worst:
                     worst, thread, process, worst_wait = (held, time.thread_time() - thread0,
                                                           time.process_time() - process0, waited)
-                    kernel = thread_kernel_time() - kernel0
+                    kernel, collected = thread_kernel_time() - kernel0, collecting.seconds - gc0
             if count and now - reported >= STALL_REPORT_EVERY:
                 sites = sampler.take() if sampler is not None else []
                 where = "; held at " + ", ".join(f"{site} ({n} samples)" for site, n in sites) if sites else ""
                 log.warning("event loop held up to %.0f ms (meanwhile: %.0f ms this thread on the CPU, %.0f ms of "
-                            "it in the kernel, %.0f ms waiting for a core, %.0f ms the process on the CPU); %d times "
-                            "over %.0f ms in the last %.0f s%s", 1e3 * worst, 1e3 * thread, 1e3 * kernel,
-                            1e3 * worst_wait, 1e3 * process, count, 1e3 * threshold, now - reported, where)
+                            "it in the kernel, %.0f ms collecting garbage, %.0f ms waiting for a core, %.0f ms the "
+                            "process on the CPU); %d times over %.0f ms in the last %.0f s%s", 1e3 * worst,
+                            1e3 * thread, 1e3 * kernel, 1e3 * collected, 1e3 * worst_wait, 1e3 * process, count,
+                            1e3 * threshold, now - reported, where)
                 worst, count, reported = 0.0, 0, now
     finally:
+        gc.callbacks.remove(collecting)
         run_queue.close()
 
 
