@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +36,9 @@ from . import groups
 from .records import COUNTER, FORMAT, FORMAT_KEY, read_u64, u64
 
 log = logging.getLogger(__name__)
+
+SLOW_WRITE = 0.025  # seconds: a write longer than this is counted and reported (MetaDB._slow_write)
+SLOW_REPORT_EVERY = 10.0  # seconds: at most one line per this
 
 
 def successor(prefix: bytes) -> bytes | None:
@@ -133,6 +138,8 @@ class MetaDB:
         elif read_u64(fmt) != FORMAT:
             raise RuntimeError(f"{path} holds metadata format {read_u64(fmt)}; this metaserver reads {FORMAT}")
         self._writes = 0  # batches written
+        self.slow_writes = 0  # of those, the ones that took over SLOW_WRITE (_slow_write)
+        self._slow_reported, self._slow_counted, self._slow_worst = -math.inf, 0, (0.0, 0, 0)
         self._synced = 0  # of those, the ones known durable
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
@@ -143,8 +150,28 @@ class MetaDB:
             groups.stage(self.db, batch.rows, batch.wb)
         for key in batch.marks:
             batch.wb.put(key, b"")
+        size = (batch.wb.len(), batch.wb.size_in_bytes())  # the batch is consumed by the write
+        began = time.perf_counter()
         self.db.write(batch.wb)
         self._writes += 1
+        if (took := time.perf_counter() - began) > SLOW_WRITE:
+            self._slow_write(took, *size)
+
+    def _slow_write(self, took: float, changes: int, nbytes: int) -> None:
+        """Counts a RocksDB write that held the calling thread (and, rocksdict keeping the
+        GIL through it, every thread of the process) over SLOW_WRITE; logs the worst,
+        with its size, at most every SLOW_REPORT_EVERY seconds. A stall line samples the
+        loop only after such a call returns, so it cannot name it."""
+        self.slow_writes += 1
+        now = time.monotonic()
+        if took > self._slow_worst[0]:
+            self._slow_worst = (took, changes, nbytes)
+        if now - self._slow_reported >= SLOW_REPORT_EVERY:
+            worst, keys, size = self._slow_worst
+            log.warning("a RocksDB write took %.0f ms (%d changes, %d bytes); %d writes over %.0f ms in the last "
+                        "%.0f s", 1e3 * worst, keys, size, self.slow_writes - self._slow_counted, 1e3 * SLOW_WRITE,
+                        now - self._slow_reported)
+            self._slow_reported, self._slow_counted, self._slow_worst = now, self.slow_writes, (0.0, 0, 0)
 
     def put(self, key: bytes, value: bytes) -> None:
         self.db.put(key, value)

@@ -54,3 +54,26 @@ def test_the_metaservers_bloom_filters_survive_a_reopen(tmp_path):
             assert loaded < 2_000 * 4096 // 10, loaded
         finally:
             meta.close()
+
+
+def test_a_write_that_holds_the_thread_is_counted_and_reported_with_its_size(tmp_path, caplog):
+    """rocksdict keeps the GIL through a write, so a long one stops the whole process
+    and the loop's stall sampler cannot name it: MetaDB counts and logs it itself."""
+    from kvfs.metaserver.db import SLOW_WRITE, Batch
+
+    meta = MetaDB(str(tmp_path / "meta"), 1 << 20)
+    try:
+        small = Batch()
+        small.put(b"k", b"v")
+        meta.write(small)
+        assert meta.slow_writes == 0
+        big = Batch()
+        for i in range(400_000):  # about 40 MB into the memtable in one call: well over SLOW_WRITE
+            big.put(i.to_bytes(8, "big") + bytes(8), bytes(80))
+        meta.write(big)
+    finally:
+        meta.close()
+    assert meta.slow_writes == 1
+    (line,) = [r for r in caplog.records if "RocksDB write took" in r.getMessage()]
+    took_ms, changes = line.args[0], line.args[1]
+    assert took_ms > 1e3 * SLOW_WRITE and changes == 400_000, line.getMessage()
