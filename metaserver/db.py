@@ -174,8 +174,11 @@ class MetaDB:
             self._slow_reported, self._slow_counted, self._slow_worst = now, self.slow_writes, (0.0, 0, 0)
 
     def put(self, key: bytes, value: bytes) -> None:
+        began = time.perf_counter()
         self.db.put(key, value)
         self._writes += 1
+        if (took := time.perf_counter() - began) > SLOW_WRITE:
+            self._slow_write(took, 1, len(key) + len(value))
 
     def get(self, key):
         return self.db.get(key)
