@@ -133,26 +133,31 @@ async def test_a_stall_site_says_whether_the_thread_ran_or_waited_in_the_kernel(
     assert slept and any(s.endswith("]") and " [S" in s for s in slept), sites
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("collecting", [True, False])
-async def test_a_stall_line_says_how_long_the_garbage_collector_held_it(collecting, caplog, monkeypatch):
+async def stall_line(caplog, monkeypatch, work) -> logging.LogRecord:
+    """The stall line of a loop held 0.3 s calling `work` over and over."""
     monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
-    heap = [[i] for i in range(300_000)]  # tracked, not frozen: each full collection walks them
     watcher = asyncio.create_task(serving.watch_event_loop(logging.getLogger("test.watch"), serving.LoopStats(),
                                                            threshold=0.1))
     try:
         await asyncio.sleep(0.05)
         end = time.monotonic() + 0.3
         while time.monotonic() < end:
-            if collecting:
-                gc.collect()
+            work()
         deadline = time.monotonic() + 5
         while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
     finally:
         watcher.cancel()
-    assert len(heap) == 300_000
     (line,) = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    return line
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("collecting", [True, False])
+async def test_a_stall_line_says_how_long_the_garbage_collector_held_it(collecting, caplog, monkeypatch):
+    heap = [[i] for i in range(300_000)]  # tracked, not frozen: each full collection walks them
+    line = await stall_line(caplog, monkeypatch, gc.collect if collecting else lambda: None)
+    assert len(heap) == 300_000
     held, collected = line.args[0], line.args[3]
     assert (collected >= held / 2) if collecting else (collected < held / 4), line.getMessage()
 
@@ -162,21 +167,8 @@ async def test_a_stall_line_says_how_long_the_garbage_collector_held_it(collecti
 async def test_a_stall_line_says_how_much_of_the_threads_cpu_was_in_the_kernel(in_kernel, caplog, monkeypatch):
     """Touching fresh memory page by page is the kernel's work (page faults, zeroing,
     unmapping); spinning in Python is not."""
-    monkeypatch.setattr(serving, "STALL_REPORT_EVERY", 0.3)
-    watcher = asyncio.create_task(serving.watch_event_loop(logging.getLogger("test.watch"), serving.LoopStats(),
-                                                           threshold=0.1))
-    try:
-        await asyncio.sleep(0.05)
-        end = time.monotonic() + 0.3
-        while time.monotonic() < end:
-            if in_kernel:
-                bytearray(64 << 20)  # 64 MiB mapped, every page zeroed on its first touch, unmapped
-        deadline = time.monotonic() + 5
-        while not any("event loop held" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-    finally:
-        watcher.cancel()
-    (line,) = [r for r in caplog.records if "event loop held" in r.getMessage()]
+    # 64 MiB mapped, every page zeroed on its first touch, unmapped
+    line = await stall_line(caplog, monkeypatch, (lambda: bytearray(64 << 20)) if in_kernel else lambda: None)
     cpu, kernel = line.args[1], line.args[2]
     assert cpu >= 100, line.getMessage()
     assert (kernel >= cpu / 2) if in_kernel else (kernel < cpu / 4), line.getMessage()
