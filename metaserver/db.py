@@ -139,7 +139,9 @@ class MetaDB:
             raise RuntimeError(f"{path} holds metadata format {read_u64(fmt)}; this metaserver reads {FORMAT}")
         self._writes = 0  # batches written
         self.slow_writes = 0  # of those, the ones that took over SLOW_WRITE (_slow_write)
-        self._slow_reported, self._slow_counted, self._slow_worst = -math.inf, 0, (0.0, 0, 0)
+        # when the last slow-write line was logged, since when its counts are, the count then, the worst since
+        self._slow_reported, self._slow_since, self._slow_counted, self._slow_worst = (-math.inf, time.monotonic(),
+                                                                                       0, (0.0, 0, 0))
         self._synced = 0  # of those, the ones known durable
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
@@ -170,8 +172,9 @@ class MetaDB:
             worst, keys, size = self._slow_worst
             log.warning("a RocksDB write took %.0f ms (%d changes, %d bytes); %d writes over %.0f ms in the last "
                         "%.0f s", 1e3 * worst, keys, size, self.slow_writes - self._slow_counted, 1e3 * SLOW_WRITE,
-                        now - self._slow_reported)
-            self._slow_reported, self._slow_counted, self._slow_worst = now, self.slow_writes, (0.0, 0, 0)
+                        now - self._slow_since)
+            self._slow_reported = self._slow_since = now
+            self._slow_counted, self._slow_worst = self.slow_writes, (0.0, 0, 0)
 
     def put(self, key: bytes, value: bytes) -> None:
         began = time.perf_counter()
