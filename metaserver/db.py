@@ -141,25 +141,26 @@ class MetaDB:
         self.slow_writes = 0  # of those, the ones that took over SLOW_WRITE (_slow_write)
         # when the last slow-write line was logged, since when its counts are, the count then, the worst since
         self._slow_reported, self._slow_since, self._slow_counted, self._slow_worst = (-math.inf, time.monotonic(),
-                                                                                       0, (0.0, 0, 0))
+                                                                                       0, (0.0, 0, 0, 0.0))
         self._synced = 0  # of those, the ones known durable
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-read")  # OffLoop reads
 
     def write(self, batch: Batch) -> None:
+        staged = time.perf_counter()
         if batch.rows:
-            groups.stage(self.db, batch.rows, batch.wb)
+            groups.stage(self.db, batch.rows, batch.wb)  # reads the row groups it changes (a multi-get)
         for key in batch.marks:
             batch.wb.put(key, b"")
         size = (batch.wb.len(), batch.wb.size_in_bytes())  # the batch is consumed by the write
         began = time.perf_counter()
         self.db.write(batch.wb)
         self._writes += 1
-        if (took := time.perf_counter() - began) > SLOW_WRITE:
-            self._slow_write(took, *size)
+        if (took := time.perf_counter() - staged) > SLOW_WRITE:
+            self._slow_write(took, *size, began - staged)
 
-    def _slow_write(self, took: float, changes: int, nbytes: int) -> None:
+    def _slow_write(self, took: float, changes: int, nbytes: int, staging: float = 0.0) -> None:
         """Counts a RocksDB write that held the calling thread (and, rocksdict keeping the
         GIL through it, every thread of the process) over SLOW_WRITE; logs the worst,
         with its size, at most every SLOW_REPORT_EVERY seconds. A stall line samples the
@@ -167,14 +168,14 @@ class MetaDB:
         self.slow_writes += 1
         now = time.monotonic()
         if took > self._slow_worst[0]:
-            self._slow_worst = (took, changes, nbytes)
+            self._slow_worst = (took, changes, nbytes, staging)
         if now - self._slow_reported >= SLOW_REPORT_EVERY:
-            worst, keys, size = self._slow_worst
-            log.warning("a RocksDB write took %.0f ms (%d changes, %d bytes); %d writes over %.0f ms in the last "
-                        "%.0f s", 1e3 * worst, keys, size, self.slow_writes - self._slow_counted, 1e3 * SLOW_WRITE,
-                        now - self._slow_since)
+            worst, keys, size, read = self._slow_worst
+            log.warning("a RocksDB write took %.0f ms (%d changes, %d bytes; %.0f ms of it reading and packing "
+                        "its row groups first); %d writes over %.0f ms in the last %.0f s", 1e3 * worst, keys, size,
+                        1e3 * read, self.slow_writes - self._slow_counted, 1e3 * SLOW_WRITE, now - self._slow_since)
             self._slow_reported = self._slow_since = now
-            self._slow_counted, self._slow_worst = self.slow_writes, (0.0, 0, 0)
+            self._slow_counted, self._slow_worst = self.slow_writes, (0.0, 0, 0, 0.0)
 
     def put(self, key: bytes, value: bytes) -> None:
         began = time.perf_counter()

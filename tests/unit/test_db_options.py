@@ -75,6 +75,8 @@ def test_a_write_that_holds_the_thread_is_counted_and_reported_with_its_size(tmp
         meta.close()
     assert meta.slow_writes == 1
     (line,) = [r for r in caplog.records if "RocksDB write took" in r.getMessage()]
-    took_ms, changes, count, since = line.args[0], line.args[1], line.args[3], line.args[5]
+    took_ms, changes, staging_ms, count, since = (line.args[0], line.args[1], line.args[3], line.args[4],
+                                                  line.args[6])
     assert took_ms > 1e3 * SLOW_WRITE and changes == 400_000 and count == 1, line.getMessage()
+    assert staging_ms < took_ms / 2, line.getMessage()  # no rows: nearly all of it the write
     assert since < 60, line.getMessage()  # counted from the database's opening
