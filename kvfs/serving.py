@@ -213,8 +213,10 @@ class StallSampler:
     it, once the call lets go. Each sample also notes the thread's state as the
     kernel sees it (/proc): "[R]" running or runnable, "[D: fn]" or "[S: fn]" waiting in
     the kernel function `fn` (its wchan: the disk, a page fault, a lock), so that a
-    stall in a C call that let go of the GIL says what the call waited for. Start it on
-    the loop's thread."""
+    stall in a C call that let go of the GIL says what the call waited for. A sample of
+    the thread asleep in the loop's own poll (epoll) is dropped: nothing of the
+    thread's held the loop then (seen: one such sample as a stall ended, under load).
+    Start it on the loop's thread."""
 
     FRAMES = 3  # of our code, innermost first, per site
 
@@ -247,11 +249,14 @@ class StallSampler:
                 self._settle(last)
                 if time.monotonic() - last - self.stats.tick < self.after:
                     continue
+            state = self.kernel_state()
+            if "epoll" in state:  # in the loop's poll: not held by the thread (the stall is over, or it waits a wakeup)
+                continue
             frame = sys._current_frames().get(self.loop_thread)
             if frame is not None:
-                site = self.site(frame) + self.kernel_state()
-                with self._lock:
-                    if self._held_since in (None, last):
+                site = self.site(frame) + state
+                with self._lock:  # kept only if the loop is still held: reading /proc let go of the GIL
+                    if self._held_since in (None, last) and self.stats.last_tick == last:
                         self._held_since = last
                         self._held.append(site)
 
