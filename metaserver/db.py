@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -139,9 +138,8 @@ class MetaDB:
             raise RuntimeError(f"{path} holds metadata format {read_u64(fmt)}; this metaserver reads {FORMAT}")
         self._writes = 0  # batches written
         self.slow_writes = 0  # of those, the ones that took over SLOW_WRITE (_slow_write)
-        # when the last slow-write line was logged, since when its counts are, the count then, the worst since
-        self._slow_reported, self._slow_since, self._slow_counted, self._slow_worst = (-math.inf, time.monotonic(),
-                                                                                       0, (0.0, 0, 0, 0.0))
+        # since when the next slow-write line counts (the last line, or the opening), the count then, the worst since
+        self._slow_since, self._slow_counted, self._slow_worst = time.monotonic(), 0, (0.0, 0, 0, 0.0)
         self._synced = 0  # of those, the ones known durable
         self._syncing: asyncio.Future | None = None
         self._syncer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meta-sync")
@@ -169,12 +167,12 @@ class MetaDB:
         now = time.monotonic()
         if took > self._slow_worst[0]:
             self._slow_worst = (took, changes, nbytes, staging)
-        if now - self._slow_reported >= SLOW_REPORT_EVERY:
+        if self.slow_writes == 1 or now - self._slow_since >= SLOW_REPORT_EVERY:  # the first at once
             worst, keys, size, read = self._slow_worst
             log.warning("a RocksDB write took %.0f ms (%d changes, %d bytes; %.0f ms of it reading and packing "
                         "its row groups first); %d writes over %.0f ms in the last %.0f s", 1e3 * worst, keys, size,
                         1e3 * read, self.slow_writes - self._slow_counted, 1e3 * SLOW_WRITE, now - self._slow_since)
-            self._slow_reported = self._slow_since = now
+            self._slow_since = now
             self._slow_counted, self._slow_worst = self.slow_writes, (0.0, 0, 0, 0.0)
 
     def put(self, key: bytes, value: bytes) -> None:
